@@ -1,0 +1,3 @@
+"""weight-bridge: shared parts of the trainer and inference sides (wire format, transports, config)."""
+
+PROTOCOL_VERSION = 1

@@ -1,0 +1,155 @@
+"""One config tree of frozen dataclasses, loaded from ``configs/*.yaml``.
+
+The only environment variable read anywhere is ``WEIGHT_BRIDGE_CONFIG`` (a path), and only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from bridge.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+CONFIG_ENV = "WEIGHT_BRIDGE_CONFIG"
+
+TransportKind = Literal["zmq", "shm", "gloo", "nccl"]
+SyncMode = Literal["staged", "streaming"]
+NonFinitePolicy = Literal["reject", "allow"]
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    kind: TransportKind = "zmq"
+    bind_host: str = "127.0.0.1"  # loopback unless configured otherwise
+    bucket_mb: float = 64.0
+    depth: int = 2  # buckets in flight per receiver
+    curve_server_secret: str = ""  # z85 CURVE secret key of the receiver; empty: no authentication
+    curve_server_public: str = ""
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"transport.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.depth < 1:
+            raise ConfigError(f"transport.depth must be >= 1, got {self.depth}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * (1 << 20))
+
+
+@dataclass(frozen=True)
+class DeadlineConfig:
+    connect_s: float = 30.0
+    manifest_s: float = 30.0
+    bucket_s: float = 60.0
+    apply_s: float = 600.0
+    verify_s: float = 120.0
+    ack_s: float = 900.0
+    heartbeat_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    mode: SyncMode = "staged"
+    nonfinite: NonFinitePolicy = "reject"
+    verify_checksums: bool = True
+    max_header_bytes: int = 64 << 20
+    max_tensors: int = 1_000_000
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    enabled: bool = True
+    audit: bool = True
+    identity_check: bool = True
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    enabled: bool = True
+    max_mean_abs_logprob_diff: float = 0.05
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8321
+    history: int = 2000
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def replace(self, **sections: Any) -> BridgeConfig:
+        """Return a copy with sections replaced; values may be dataclasses or dicts of overrides."""
+        updates = {}
+        for name, value in sections.items():
+            current = getattr(self, name)
+            updates[name] = dataclasses.replace(current, **value) if isinstance(value, dict) else value
+        return dataclasses.replace(self, **updates)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{where}.{key}")  # type: ignore[arg-type]
+        else:
+            kwargs[key] = _check_scalar(hint, value, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _check_scalar(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(allowed)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and not (isinstance(value, hint) and (hint is bool or not isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def config_from_dict(data: dict[str, Any] | None) -> BridgeConfig:
+    return _build(BridgeConfig, data or {}, "config")
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> BridgeConfig:
+    """Load a config file; with no path, ``$WEIGHT_BRIDGE_CONFIG`` or ``configs/default.yaml``."""
+    import yaml
+
+    chosen = Path(path) if path else Path(os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_PATH))
+    try:
+        text = chosen.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {chosen}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {chosen} is not valid YAML: {exc}") from exc
+    return config_from_dict(data)

@@ -1,0 +1,78 @@
+"""Same-host shared memory segments as plain files in /dev/shm (no resource tracker, no pickling)."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+from bridge.errors import TransportError
+
+logger = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")
+PREFIX = "wb-"
+
+
+def new_name(tag: str) -> str:
+    return f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _path(name: str) -> Path:
+    if "/" in name or not name.startswith(PREFIX) or len(name) > 200:
+        raise TransportError(f"invalid shared-memory segment name {name!r}")
+    return SHM_DIR / name
+
+
+class Segment:
+    """A named, mapped shared-memory segment. The creator unlinks it; attachers only map it."""
+
+    def __init__(self, name: str, size: int, create: bool, private: bool = False) -> None:
+        self.name = name
+        self.size = size
+        self.owner = create
+        path = _path(name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot open shared-memory segment {name}: {exc}") from exc
+        try:
+            if create:
+                os.ftruncate(fd, max(size, 1))
+            else:
+                actual = os.fstat(fd).st_size
+                if actual < size:
+                    raise TransportError(f"shared-memory segment {name} holds {actual} bytes, expected {size}")
+            flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+            self.mm = mmap.mmap(fd, max(size, 1), flags=flags)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def create(cls, tag: str, size: int) -> Segment:
+        return cls(new_name(tag), size, create=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int, private: bool = False) -> Segment:
+        """Map an existing segment; ``private`` maps it copy-on-write (writes stay in this process)."""
+        return cls(name, size, create=False, private=private)
+
+    @property
+    def buffer(self) -> memoryview:
+        return memoryview(self.mm)[: self.size]
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            logger.debug("segment %s still has views; leaving it mapped until they are freed", self.name)
+        if self.owner:
+            self.unlink()
+
+    def unlink(self) -> None:
+        try:
+            _path(self.name).unlink()
+        except FileNotFoundError:
+            pass

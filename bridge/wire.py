@@ -1,0 +1,361 @@
+"""Typed wire messages. Headers are msgpack maps, validated where they enter; buffers travel raw.
+
+Nothing here unpickles: a header is a msgpack map of plain scalars and lists, decoded with
+size limits and turned into a frozen dataclass, or rejected with a :class:`WireError`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from bridge import PROTOCOL_VERSION
+from bridge.errors import ManifestError, WireError
+
+# dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+FLOAT_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"})
+MAX_NAME_LEN = 1024
+MAX_NDIM = 8
+ALIGN = 64  # byte alignment of every tensor inside a bucket
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+def _require(cond: bool, message: str, exc: type[WireError] = WireError) -> None:
+    if not cond:
+        raise exc(message)
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool), f"{what} must be an integer, got {value!r}")
+    _require(lo <= value <= hi, f"{what}={value} is out of range [{lo}, {hi}]")
+    return int(value)
+
+
+def _str(value: Any, what: str, max_len: int = MAX_NAME_LEN) -> str:
+    _require(isinstance(value, str), f"{what} must be a string, got {type(value).__name__}")
+    _require(len(value) <= max_len, f"{what} is longer than {max_len} characters")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of an update: where its bytes lie and what they must hash to."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.bucket, self.offset, self.nbytes]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> TensorSpec:
+        _require(isinstance(raw, list | tuple) and len(raw) == 6, f"tensor entry must be a 6-item list, got {raw!r:.80}")
+        name = _str(raw[0], "tensor name")
+        _require(bool(_NAME_RE.match(name)) and ".." not in name, f"tensor name {name!r} is not a valid parameter path", ManifestError)
+        dtype = _str(raw[1], f"dtype of {name}", 32)
+        _require(dtype in DTYPE_SIZES, f"tensor {name}: unknown dtype {dtype!r}", ManifestError)
+        _require(isinstance(raw[2], list | tuple) and len(raw[2]) <= MAX_NDIM, f"tensor {name}: shape must be a list of at most {MAX_NDIM} dims", ManifestError)
+        shape = tuple(_int(d, f"tensor {name}: dim", 0, 1 << 40) for d in raw[2])
+        spec = cls(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            bucket=_int(raw[3], f"tensor {name}: bucket", 0, 1 << 31),
+            offset=_int(raw[4], f"tensor {name}: offset"),
+            nbytes=_int(raw[5], f"tensor {name}: nbytes"),
+        )
+        expected = spec.numel * DTYPE_SIZES[dtype]
+        _require(spec.nbytes == expected, f"tensor {name}: nbytes={spec.nbytes} but shape {list(shape)} of {dtype} needs {expected}", ManifestError)
+        return spec
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Probe sequences and the trainer's log-probabilities of each of their tokens (after the first)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"sequences": [list(s) for s in self.sequences], "logprobs": [list(p) for p in self.logprobs]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ProbeSpec:
+        _require(isinstance(raw, dict), "probe must be a map")
+        seqs, lps = raw.get("sequences"), raw.get("logprobs")
+        _require(isinstance(seqs, list) and isinstance(lps, list) and len(seqs) == len(lps) <= 256, "probe: sequences and logprobs must be lists of equal length (at most 256)")
+        sequences = tuple(tuple(_int(t, "probe token", 0, 1 << 31) for t in s) for s in seqs)  # type: ignore[union-attr]
+        logprobs = tuple(tuple(float(x) for x in p) for p in lps)  # type: ignore[union-attr]
+        for s, p in zip(sequences, logprobs, strict=True):
+            _require(len(p) == len(s) - 1, "probe: each sequence needs one log-probability per token after the first")
+        return cls(sequences, logprobs)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the receiver must know before the first bucket: names, dtypes, shapes, layout."""
+
+    version: int
+    tensors: tuple[TensorSpec, ...]
+    bucket_sizes: tuple[int, ...]
+    publisher: str = ""
+    transport: str = "zmq"
+    probe: ProbeSpec | None = None
+    protocol: int = PROTOCOL_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def by_bucket(self) -> list[list[TensorSpec]]:
+        out: list[list[TensorSpec]] = [[] for _ in self.bucket_sizes]
+        for spec in self.tensors:
+            out[spec.bucket].append(spec)
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "protocol": self.protocol,
+            "version": self.version,
+            "publisher": self.publisher,
+            "transport": self.transport,
+            "bucket_sizes": list(self.bucket_sizes),
+            "tensors": [t.to_wire() for t in self.tensors],
+            "probe": self.probe.to_wire() if self.probe else None,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any, max_tensors: int = 1_000_000) -> Manifest:
+        _require(isinstance(raw, dict), "manifest must be a map")
+        protocol = raw.get("protocol")
+        _require(protocol == PROTOCOL_VERSION, f"unknown protocol version {protocol!r} (this receiver speaks {PROTOCOL_VERSION})")
+        tensors_raw = raw.get("tensors")
+        _require(isinstance(tensors_raw, list), "manifest.tensors must be a list")
+        _require(len(tensors_raw) <= max_tensors, f"manifest lists {len(tensors_raw)} tensors, more than the limit {max_tensors}")
+        sizes_raw = raw.get("bucket_sizes")
+        _require(isinstance(sizes_raw, list) and len(sizes_raw) <= 1 << 20, "manifest.bucket_sizes must be a list")
+        manifest = cls(
+            version=_int(raw.get("version"), "manifest.version"),
+            tensors=tuple(TensorSpec.from_wire(t) for t in tensors_raw),
+            bucket_sizes=tuple(_int(s, "bucket size", 0, 1 << 40) for s in sizes_raw),
+            publisher=_str(raw.get("publisher", ""), "manifest.publisher", 256),
+            transport=_str(raw.get("transport", "zmq"), "manifest.transport", 32),
+            probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
+        )
+        manifest.check_layout()
+        return manifest
+
+    def check_layout(self) -> None:
+        """Names unique; every tensor inside its bucket; no two tensors overlap."""
+        seen: set[str] = set()
+        for spec in self.tensors:
+            if spec.name in seen:
+                raise ManifestError(f"duplicate tensor name {spec.name!r} in manifest")
+            seen.add(spec.name)
+            if spec.bucket >= len(self.bucket_sizes):
+                raise ManifestError(f"tensor {spec.name}: bucket {spec.bucket} does not exist ({len(self.bucket_sizes)} buckets)")
+            if spec.offset + spec.nbytes > self.bucket_sizes[spec.bucket]:
+                raise ManifestError(
+                    f"tensor {spec.name}: bytes [{spec.offset}, {spec.offset + spec.nbytes}) overflow bucket "
+                    f"{spec.bucket} of {self.bucket_sizes[spec.bucket]} bytes"
+                )
+        for index, specs in enumerate(self.by_bucket()):
+            end, last = 0, ""
+            for spec in sorted(specs, key=lambda s: s.offset):
+                if spec.offset < end:
+                    raise ManifestError(f"tensor {spec.name} overlaps tensor {last} in bucket {index}")
+                end, last = spec.offset + spec.nbytes, spec.name
+
+
+# ---- control messages -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    publisher: str
+    protocol: int = PROTOCOL_VERSION
+    type: str = field(default="hello", init=False)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The receiver's answer to Hello: what it serves and what it expects."""
+
+    dtype: str
+    version: int
+    tp_size: int
+    transports: tuple[str, ...]
+    host: str
+    protocol: int = PROTOCOL_VERSION
+    type: str = field(default="info", init=False)
+
+
+@dataclass(frozen=True)
+class Begin:
+    manifest: Manifest
+    type: str = field(default="begin", init=False)
+
+
+@dataclass(frozen=True)
+class BucketHeader:
+    """Announces bucket ``index``; its bytes follow as the next frame or, for shm, lie in ``segment``.
+
+    ``checksums`` holds the zlib.crc32 of each tensor of the bucket, in manifest order: the manifest's
+    checksums travel with their bucket so that packing bucket k+1 overlaps sending bucket k.
+    """
+
+    version: int
+    index: int
+    checksums: tuple[int, ...] = ()
+    segment: str = ""
+    type: str = field(default="bucket", init=False)
+
+
+@dataclass(frozen=True)
+class End:
+    version: int
+    type: str = field(default="end", init=False)
+
+
+@dataclass(frozen=True)
+class Abort:
+    version: int
+    reason: str
+    type: str = field(default="abort", init=False)
+
+
+@dataclass(frozen=True)
+class Credit:
+    """The receiver can take ``n`` more buckets (bounded in-flight, back-pressure)."""
+
+    version: int
+    n: int
+    type: str = field(default="credit", init=False)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    version: int
+    phase: str
+    type: str = field(default="ping", init=False)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The end of one sync on one engine: applied (ok) or refused, with the engine's report."""
+
+    version: int
+    ok: bool
+    reason: str = ""
+    report: dict[str, Any] = field(default_factory=dict)
+    type: str = field(default="ack", init=False)
+
+
+Message = Hello | EngineInfo | Begin | BucketHeader | End | Abort | Credit | Heartbeat | Ack
+
+
+def encode(msg: Message) -> bytes:
+    if isinstance(msg, Begin):
+        body: dict[str, Any] = {"type": "begin", "manifest": msg.manifest.to_wire()}
+    else:
+        body = asdict(msg)
+        if isinstance(msg, EngineInfo):
+            body["transports"] = list(msg.transports)
+        if isinstance(msg, BucketHeader):
+            body["checksums"] = list(msg.checksums)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int = 1_000_000) -> Message:
+    """Decode and validate one header. Raises WireError naming what is wrong."""
+    if len(data) > max_bytes:
+        raise WireError(f"header of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=max_bytes,
+            max_array_len=max(max_tensors * 8, 1 << 16),
+            max_map_len=1 << 12,
+            max_str_len=1 << 20,
+            max_bin_len=0,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"malformed or truncated header: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - msgpack raises assorted errors on hostile bytes
+        raise WireError(f"malformed header: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise WireError(f"header must be a map, got {type(raw).__name__}")
+    kind = raw.get("type")
+    try:
+        if kind == "begin":
+            return Begin(Manifest.from_wire(raw.get("manifest"), max_tensors=max_tensors))
+        if kind == "hello":
+            return Hello(publisher=_str(raw.get("publisher", ""), "publisher", 256), protocol=_int(raw.get("protocol"), "protocol"))
+        if kind == "info":
+            transports = raw.get("transports")
+            _require(isinstance(transports, list), "info.transports must be a list")
+            return EngineInfo(
+                dtype=_str(raw.get("dtype"), "dtype", 32),
+                version=_int(raw.get("version"), "version"),
+                tp_size=_int(raw.get("tp_size"), "tp_size", 1, 1 << 16),
+                transports=tuple(_str(t, "transport", 32) for t in transports),  # type: ignore[union-attr]
+                host=_str(raw.get("host", ""), "host", 256),
+                protocol=_int(raw.get("protocol"), "protocol"),
+            )
+        if kind == "bucket":
+            sums = raw.get("checksums", [])
+            _require(isinstance(sums, list), "bucket.checksums must be a list")
+            return BucketHeader(
+                version=_int(raw.get("version"), "version"),
+                index=_int(raw.get("index"), "bucket index", 0, 1 << 31),
+                checksums=tuple(_int(c, "checksum", 0, 0xFFFFFFFF) for c in sums),  # type: ignore[union-attr]
+                segment=_str(raw.get("segment", ""), "segment", 255),
+            )
+        if kind == "end":
+            return End(version=_int(raw.get("version"), "version"))
+        if kind == "abort":
+            return Abort(version=_int(raw.get("version"), "version"), reason=_str(raw.get("reason", ""), "reason", 1 << 16))
+        if kind == "credit":
+            return Credit(version=_int(raw.get("version"), "version"), n=_int(raw.get("n"), "credit", 0, 1 << 20))
+        if kind == "ping":
+            return Heartbeat(version=_int(raw.get("version"), "version"), phase=_str(raw.get("phase", ""), "phase", 64))
+        if kind == "ack":
+            report = raw.get("report", {})
+            _require(isinstance(report, dict), "ack.report must be a map")
+            return Ack(
+                version=_int(raw.get("version"), "version"),
+                ok=bool(raw.get("ok")),
+                reason=_str(raw.get("reason", ""), "reason", 1 << 20),
+                report=report,
+            )
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise WireError(f"malformed {kind} message: {exc}") from exc
+    raise WireError(f"unknown message type {kind!r}")

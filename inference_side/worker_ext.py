@@ -1,0 +1,144 @@
+"""The vLLM ``worker_extension_cls``: mixed into every TP worker, called through ``collective_rpc``.
+
+One RPC per update in staged mode (``wb_apply`` with every bucket's shared-memory segment);
+every method catches its own failure and returns it, so all ranks answer and the actor decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+from bridge.errors import BridgeError
+from bridge.shm import Segment
+from inference_side.reload_session import ReloadSession, SinkBinding, WorkerRouterState
+from inference_side.router import init_sink_padding, is_sink_name, map_checkpoint_name
+
+logger = logging.getLogger(__name__)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+class WeightSyncWorker:
+    """Methods prefixed ``wb_`` to stay clear of vLLM's own worker API."""
+
+    _wb_state: WorkerRouterState | None = None
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _wb_model(self) -> Any:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def wb_setup(self) -> dict[str, Any]:
+        """Find checkpoint-backed sink parameters, register the common TP sink loader on them,
+        set padded heads to -inf, bind each to the attention backend object that reads it."""
+        import torch
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from bridge.checkpoint import read_tensor_table
+        from inference_side.router import SinkLoader
+
+        model = self._wb_model()
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        state = WorkerRouterState(tp_rank=rank, tp_size=size)
+        state.module_names = {name for name, _ in model.named_modules()}
+        table = read_tensor_table(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        params = dict(model.named_parameters())
+        attn_impls = {path: m.impl for path, m in model.named_modules() if getattr(getattr(m, "impl", None), "sinks", None) is not None}
+        with torch.no_grad():
+            for ckpt_name, entry in table.items():
+                if not is_sink_name(ckpt_name):
+                    continue
+                path = map_checkpoint_name(model, ckpt_name)
+                if path is None or path not in params:
+                    continue
+                param = params[path]
+                loader = SinkLoader(rank, size, path)
+                param.weight_loader = loader
+                init_sink_padding(param, entry.shape[0], rank, size, path)
+                module_path = path.rpartition(".")[0]
+                impl = next((impl for apath, impl in attn_impls.items() if apath.startswith(module_path + ".")), None)
+                state.sinks[path] = SinkBinding(path, ckpt_name, entry.shape[0], impl)
+        self._wb_state = state
+        return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks)}
+
+    # ---- one update -----------------------------------------------------------------------------
+    def wb_apply(self, buckets: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
+        from vllm.config import set_current_vllm_config
+
+        t0 = time.perf_counter()
+        if self._wb_state is None:
+            self.wb_setup()
+        assert self._wb_state is not None
+        names = [t[0] for b in buckets for t in b["tensors"]]
+        session = ReloadSession(
+            self._wb_model(), self.vllm_config.model_config, self._wb_state, names,  # type: ignore[attr-defined]
+            router=bool(options.get("router", True)),
+            audit=bool(options.get("audit", True)),
+            identity=bool(options.get("identity", True)),
+        )
+        segments: list[Segment] = []
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                session.begin()
+                for bucket in buckets:
+                    seg = Segment.attach(bucket["segment"], bucket["size"], private=True)
+                    segments.append(seg)
+                    for name, tensor in _views(seg, bucket["tensors"]):
+                        session.load(name, tensor)
+                report = session.finish()
+            report["ok"] = True
+        except BridgeError as exc:
+            session.abort()
+            report = {"ok": False, "rank": self._wb_state.tp_rank, "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
+            session.abort()
+            logger.error("update failed in worker: %s", traceback.format_exc())
+            report = {"ok": False, "rank": self._wb_state.tp_rank, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            del session
+            for seg in segments:
+                seg.close()
+        report["worker_seconds"] = time.perf_counter() - t0
+        return report
+
+    # ---- inspection (tests, health) -------------------------------------------------------------
+    def wb_read(self, paths: list[str]) -> dict[str, list[float]]:
+        """This rank's live values of the given parameters (vLLM names), as floats."""
+        model = self._wb_model()
+        return {p: model.get_parameter(p).data.float().flatten().tolist() for p in paths}
+
+    def wb_backend_sinks(self) -> dict[str, Any]:
+        """For each sink parameter: does the backend alias it, and the backend's values."""
+        state = self._wb_state
+        out: dict[str, Any] = {}
+        if state is None:
+            return out
+        model = self._wb_model()
+        for path, binding in state.sinks.items():
+            impl_sinks = getattr(binding.impl, "sinks", None)
+            param = model.get_parameter(path)
+            out[path] = {
+                "aliased": impl_sinks is not None and impl_sinks.untyped_storage().data_ptr() == param.untyped_storage().data_ptr(),
+                "backend_dtype": str(impl_sinks.dtype) if impl_sinks is not None else None,
+                "values": impl_sinks.float().tolist() if impl_sinks is not None else None,
+            }
+        return out
+
+    def wb_bypass(self) -> list[str]:
+        return sorted(self._wb_state.bypass) if self._wb_state else []
+
+
+def _views(seg: Segment, tensors: list[list[Any]]) -> list[tuple[str, Any]]:
+    import torch
+
+    out = []
+    for name, dtype, shape, offset, nbytes in tensors:
+        raw = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+        out.append((name, raw.view(_torch_dtype(dtype)).view(tuple(shape))))
+    return out

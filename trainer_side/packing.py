@@ -1,0 +1,102 @@
+"""Trainer-side packing: materialise, cast and copy named tensors into contiguous buckets."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from bridge.buckets import Placement, order_by_layer, plan_buckets
+from bridge.errors import ManifestError
+from bridge.wire import DTYPE_SIZES, TensorSpec
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def materialize(tensor: Any) -> Any:
+    """DTensors become full tensors here, at send time; everything ends up contiguous on CPU."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach()
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Where every tensor goes. Built from shapes alone; no bytes are touched."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    placements: tuple[Placement, ...]
+    bucket_sizes: tuple[int, ...]
+
+    def bucket_members(self, index: int) -> list[int]:
+        return [i for i, p in enumerate(self.placements) if p.bucket == index]
+
+
+def make_plan(named: list[tuple[str, Any]], target_dtype: str, bucket_bytes: int) -> tuple[PackPlan, list[Any]]:
+    """Order tensors by layer and plan buckets. Floating tensors are cast to ``target_dtype``."""
+    seen: set[str] = set()
+    for name, _ in named:
+        if name in seen:
+            raise ManifestError(f"duplicate tensor name {name!r} in the published weights")
+        seen.add(name)
+    order = order_by_layer([n for n, _ in named])
+    names, dtypes, shapes, tensors = [], [], [], []
+    for i in order:
+        name, tensor = named[i]
+        src = dtype_name(tensor.dtype)
+        dt = target_dtype if tensor.is_floating_point() else src
+        if dt not in DTYPE_SIZES:
+            raise ManifestError(f"tensor {name}: dtype {dt} cannot travel")
+        names.append(name)
+        dtypes.append(dt)
+        shapes.append(tuple(int(d) for d in tensor.shape))
+        tensors.append(tensor)
+    entries = [(n, DTYPE_SIZES[d] * _prod(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+    placements, sizes = plan_buckets(entries, bucket_bytes)
+    return PackPlan(tuple(names), tuple(dtypes), tuple(shapes), tuple(placements), tuple(sizes)), tensors
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def pack_bucket(plan: PackPlan, tensors: list[Any], index: int, out: Any,
+                transform: Callable[[str, Any], Any] | None = None) -> list[int]:
+    """Copy the tensors of bucket ``index`` into ``out`` (a uint8 torch tensor of the bucket's size)
+    and return the checksum of each tensor's bytes as written, in manifest order."""
+    import torch
+
+    sums = []
+    for i in plan.bucket_members(index):
+        name, place = plan.names[i], plan.placements[i]
+        src = materialize(tensors[i])
+        if transform is not None:
+            src = transform(name, src)
+        dst = out[place.offset : place.offset + place.nbytes]
+        if place.nbytes:
+            target = getattr(torch, plan.dtypes[i])
+            dst.view(target).view(src.shape).copy_(src)
+        sums.append(zlib.crc32(memoryview(dst.numpy())) if place.nbytes else 0)
+    return sums
+
+
+def plan_specs(plan: PackPlan) -> tuple[TensorSpec, ...]:
+    return tuple(
+        TensorSpec(n, d, s, p.bucket, p.offset, p.nbytes)
+        for n, d, s, p in zip(plan.names, plan.dtypes, plan.shapes, plan.placements, strict=True)
+    )
+
+
+def iter_named(weights: Iterable[tuple[str, Any]] | Any) -> Iterator[tuple[str, Any]]:
+    """Accept ``named_parameters()``, a state dict, or any iterable of (name, tensor)."""
+    if hasattr(weights, "items"):
+        return iter(weights.items())
+    return iter(weights)
