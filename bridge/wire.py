@@ -300,17 +300,14 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
             data,
             raw=False,
             strict_map_key=True,
-            max_buffer_size=max_bytes,
             max_array_len=max(max_tensors * 8, 1 << 16),
             max_map_len=1 << 12,
             max_str_len=1 << 20,
             max_bin_len=0,
             max_ext_len=0,
         )
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise WireError(f"malformed or truncated header: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - msgpack raises assorted errors on hostile bytes
-        raise WireError(f"malformed header: {type(exc).__name__}: {exc}") from exc
+    except (ValueError, TypeError) as exc:  # msgpack's ExtraData, FormatError, StackError are ValueErrors
+        raise WireError(f"malformed or truncated header: {type(exc).__name__}: {exc}") from exc
     if not isinstance(raw, dict):
         raise WireError(f"header must be a map, got {type(raw).__name__}")
     kind = raw.get("type")

@@ -1,0 +1,26 @@
+"""Inference side: the Ray actor that owns a vLLM engine, and the worker extension inside it.
+
+``InferenceActor`` is built lazily so that importing this package does not import Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["InferenceActor", "InferenceServer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "InferenceActor":
+        import ray
+
+        from inference_side.server import InferenceServer
+
+        actor = ray.remote(num_cpus=0, max_concurrency=8)(InferenceServer)
+        globals()["InferenceActor"] = actor
+        return actor
+    if name == "InferenceServer":
+        from inference_side.server import InferenceServer
+
+        return InferenceServer
+    raise AttributeError(name)

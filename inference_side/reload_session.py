@@ -348,7 +348,10 @@ class ReloadSession:
             if storage_key(impl_sinks)[0] == storage_key(param)[0]:
                 continue
             n = min(impl_sinks.shape[0], param.shape[0])
-            impl_sinks.data[:n].copy_(param.data[:n].to(impl_sinks.dtype))
+            import torch
+
+            with torch.inference_mode():  # the backend made its copy inside a forward pass
+                impl_sinks[:n].copy_(param.data[:n].to(impl_sinks.dtype))
             refreshed += 1
         return refreshed
 

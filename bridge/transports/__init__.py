@@ -1,0 +1,39 @@
+"""Data planes behind one small interface, loaded lazily by name.
+
+Control messages (hello, manifest, credits, acks, heartbeats) always travel over ZMQ; the data plane
+decides how bucket bytes travel: as ZMQ frames, or written once into same-host shared memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from bridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bridge.transports.base import SendPlane
+
+_PLANES: dict[str, str] = {
+    "zmq": "bridge.transports.zmq_plane:ZmqSendPlane",
+    "shm": "bridge.transports.shm_plane:ShmSendPlane",
+}
+
+
+def register_plane(kind: str, target: str) -> None:
+    """Register a data plane as ``module:Class`` (imported on first use)."""
+    _PLANES[kind] = target
+
+
+def available() -> list[str]:
+    return sorted(_PLANES)
+
+
+def send_plane(kind: str) -> SendPlane:
+    try:
+        target = _PLANES[kind]
+    except KeyError as exc:
+        raise ConfigError(f"unknown transport {kind!r}; available: {available()}") from exc
+    module, _, cls = target.partition(":")
+    plane: SendPlane = getattr(importlib.import_module(module), cls)()
+    return plane

@@ -1,0 +1,43 @@
+"""Starting a vLLM engine with the weight-sync worker extension. CPU defaults live here, in one place."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "inference_side.worker_ext.WeightSyncWorker"
+
+
+def cpu_thread_binding(tp_size: int, cores: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` value giving each TP worker its own slice of cores."""
+    per = max(cores // tp_size, 1)
+    parts = []
+    for rank in range(tp_size):
+        lo = (rank * per) % max(cores, 1)
+        hi = lo + per - 1
+        parts.append(str(lo) if per == 1 else f"{lo}-{hi}")
+    return "|".join(parts)
+
+
+def apply_cpu_defaults(tp_size: int) -> None:
+    """vLLM's CPU backend reads its settings from the environment; set what a small box needs."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp_size > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp_size, os.cpu_count() or 1))
+
+
+def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 8}
+    if current_platform.is_cpu():
+        apply_cpu_defaults(tensor_parallel_size)
+        kwargs["enforce_eager"] = True
+    kwargs.update(llm_kwargs)
+    logger.info("starting vLLM engine for %s (tp=%s, dtype=%s)", model, tensor_parallel_size, dtype)
+    return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+               worker_extension_cls=WORKER_EXTENSION, **kwargs)

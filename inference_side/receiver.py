@@ -1,0 +1,281 @@
+"""The inference-side endpoint: a ZMQ ROUTER that takes updates from publishers, stages and verifies
+every bucket in shared memory, and hands complete updates to the engine gate.
+
+One thread owns the socket (ZMQ sockets are not thread-safe); applying runs on a second thread so
+heartbeats keep flowing while the engine loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bridge import wire
+from bridge.config import BridgeConfig
+from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
+from bridge.shm import Segment
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StagedBucket:
+    index: int
+    segment: Segment
+    specs: list[wire.TensorSpec]
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    ok: bool
+    reason: str = ""
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineGate(Protocol):
+    def info(self) -> wire.EngineInfo: ...
+    def validate(self, manifest: wire.Manifest) -> str | None:
+        """Raise on a manifest the engine cannot take; return a no-op reason if already served."""
+    def apply(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult: ...
+
+
+@dataclass
+class _Session:
+    identity: bytes
+    manifest: wire.Manifest
+    started: float
+    last_seen: float
+    buckets: dict[int, StagedBucket] = field(default_factory=dict)
+    pending: Future[ApplyResult] | None = None
+    last_ping: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_in: int = 0
+
+    def close(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.segment.close()
+        self.buckets.clear()
+
+
+def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str) -> None:
+    """Checksums of every tensor in a bucket and, under the reject policy, finiteness of floats."""
+    if len(checksums) != len(specs):
+        raise WireError(f"bucket {specs[0].bucket if specs else '?'}: {len(checksums)} checksums for {len(specs)} tensors")
+    for spec, expected in zip(sorted(specs, key=lambda s: s.offset), _by_offset(specs, checksums), strict=True):
+        got = zlib.crc32(view[spec.offset : spec.offset + spec.nbytes])
+        if got != expected:
+            raise ChecksumError(f"tensor {spec.name}: checksum mismatch (got {got:#010x}, manifest says {expected:#010x})")
+        if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
+            import torch
+
+            t = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset).view(getattr(torch, spec.dtype))
+            if not bool(torch.isfinite(t.float() if spec.dtype.startswith("float8") else t).all()):
+                raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
+
+
+def _by_offset(specs: list[wire.TensorSpec], checksums: tuple[int, ...]) -> list[int]:
+    order = sorted(range(len(specs)), key=lambda i: specs[i].offset)
+    return [checksums[i] for i in order]
+
+
+class SyncReceiver:
+    def __init__(self, gate: EngineGate, config: BridgeConfig, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.gate = gate
+        self.config = config
+        self.on_event = on_event or (lambda kind, data: None)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-apply")
+        self._sessions: dict[bytes, _Session] = {}
+        self.endpoint = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> str:
+        self._thread = threading.Thread(target=self._run, name="wb-receiver", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self.endpoint
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- loop --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        tcfg = self.config.transport
+        if tcfg.curve_server_secret:
+            sock.curve_server = True
+            sock.curve_secretkey = tcfg.curve_server_secret.encode()
+            sock.curve_publickey = tcfg.curve_server_public.encode()
+        try:
+            port = sock.bind_to_random_port(f"tcp://{tcfg.bind_host}")
+        except zmq.ZMQError as exc:
+            self._error = BridgeError(f"cannot bind receiver on {tcfg.bind_host}: {exc}")
+            self._ready.set()
+            return
+        self.endpoint = f"tcp://{tcfg.bind_host}:{port}"
+        self._ready.set()
+        logger.info("receiver listening on %s", self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(50):
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(sock, frames)
+                self._tick(sock)
+        finally:
+            for session in self._sessions.values():
+                session.close()
+            sock.close(0)
+
+    def _send(self, sock: Any, identity: bytes, msg: wire.Message) -> None:
+        sock.send_multipart([identity, wire.encode(msg)])
+
+    def _fail(self, sock: Any, identity: bytes, version: int, reason: str) -> None:
+        logger.warning("update v%s from %r refused: %s", version, identity, reason)
+        session = self._sessions.pop(identity, None)
+        if session is not None:
+            session.close()
+        self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
+        self.on_event("refused", {"version": version, "reason": reason})
+
+    def _handle(self, sock: Any, frames: list[Any]) -> None:
+        identity = bytes(frames[0].buffer)
+        if len(frames) < 2:
+            return
+        scfg = self.config.sync
+        try:
+            msg = wire.decode(frames[1].buffer, max_bytes=scfg.max_header_bytes, max_tensors=scfg.max_tensors)
+        except WireError as exc:
+            session = self._sessions.get(identity)
+            self._fail(sock, identity, session.manifest.version if session else 0, f"{type(exc).__name__}: {exc}")
+            return
+        session = self._sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        if isinstance(msg, wire.Hello):
+            if msg.protocol != wire.PROTOCOL_VERSION:
+                self._fail(sock, identity, 0, f"unknown protocol version {msg.protocol} (this receiver speaks {wire.PROTOCOL_VERSION})")
+                return
+            self._send(sock, identity, self.gate.info())
+        elif isinstance(msg, wire.Begin):
+            self._begin(sock, identity, msg.manifest)
+        elif isinstance(msg, wire.BucketHeader):
+            self._bucket(sock, identity, msg, frames[2:])
+        elif isinstance(msg, wire.End):
+            self._end(sock, identity, msg)
+        elif isinstance(msg, wire.Abort):
+            if session is not None and session.pending is None:
+                self._sessions.pop(identity).close()
+                self.on_event("aborted", {"version": msg.version, "reason": msg.reason})
+        else:
+            self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
+
+    def _begin(self, sock: Any, identity: bytes, manifest: wire.Manifest) -> None:
+        old = self._sessions.pop(identity, None)
+        if old is not None:
+            old.close()
+        try:
+            noop = self.gate.validate(manifest)
+        except BridgeError as exc:
+            self._fail(sock, identity, manifest.version, f"{type(exc).__name__}: {exc}")
+            return
+        if noop:
+            self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report={"noop": True}))
+            return
+        now = time.monotonic()
+        self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
+        self._send(sock, identity, wire.Credit(version=manifest.version, n=self.config.transport.depth))
+
+    def _bucket(self, sock: Any, identity: bytes, header: wire.BucketHeader, payload: list[Any]) -> None:
+        session = self._sessions.get(identity)
+        if session is None:
+            self._fail(sock, identity, header.version, f"bucket {header.index} arrived outside an update")
+            return
+        m = session.manifest
+        if header.version != m.version or header.index >= len(m.bucket_sizes) or header.index in session.buckets:
+            self._fail(sock, identity, m.version, f"unexpected bucket {header.index} of version {header.version}")
+            return
+        size = m.bucket_sizes[header.index]
+        t0 = time.perf_counter()
+        try:
+            if header.segment:
+                if m.transport != "shm":
+                    raise WireError("bucket names a shared-memory segment but the manifest's transport is not shm")
+                segment = Segment.attach(header.segment, size)
+            else:
+                if len(payload) != 1 or len(payload[0].buffer) != size:
+                    got = len(payload[0].buffer) if payload else 0
+                    raise WireError(f"bucket {header.index}: {got} bytes arrived, manifest says {size} (truncated?)")
+                segment = Segment.create("recv", size)
+                segment.buffer[:size] = payload[0].buffer
+            specs = m.by_bucket()[header.index]
+            session.buckets[header.index] = StagedBucket(header.index, segment, specs)
+            session.bytes_in += size
+            if self.config.sync.verify_checksums:
+                verify_bucket(segment.buffer, specs, header.checksums, self.config.sync.nonfinite)
+        except BridgeError as exc:
+            self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
+            return
+        session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
+        self._send(sock, identity, wire.Credit(version=m.version, n=1))
+
+    def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
+        session = self._sessions.get(identity)
+        if session is None or msg.version != session.manifest.version:
+            self._fail(sock, identity, msg.version, "end of an update that was never begun")
+            return
+        missing = sorted(set(range(len(session.manifest.bucket_sizes))) - set(session.buckets))
+        if missing:
+            self._fail(sock, identity, msg.version, f"update ended with buckets {missing[:10]} missing")
+            return
+        session.timings["transfer"] = time.monotonic() - session.started
+        buckets = [session.buckets[i] for i in sorted(session.buckets)]
+        session.pending = self._executor.submit(self.gate.apply, session.manifest, buckets, session.timings)
+
+    def _tick(self, sock: Any) -> None:
+        now = time.monotonic()
+        deadlines = self.config.deadlines
+        for identity, session in list(self._sessions.items()):
+            version = session.manifest.version
+            if session.pending is not None:
+                if session.pending.done():
+                    self._sessions.pop(identity)
+                    try:
+                        result = session.pending.result()
+                    except BaseException as exc:  # noqa: BLE001 - report whatever broke the apply
+                        result = ApplyResult(False, f"{type(exc).__name__}: {exc}")
+                    session.close()
+                    report = dict(result.report)
+                    report.setdefault("bytes", session.bytes_in)
+                    self._send(sock, identity, wire.Ack(version=version, ok=result.ok, reason=result.reason, report=report))
+                elif now - session.last_ping >= deadlines.heartbeat_s:
+                    session.last_ping = now
+                    self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))
+            elif now - session.last_seen > deadlines.bucket_s:
+                logger.warning("update v%s from %r timed out waiting for data", version, identity)
+                self._sessions.pop(identity).close()
+                self.on_event("timeout", {"version": version, "reason": f"no data for {deadlines.bucket_s}s"})

@@ -1,0 +1,186 @@
+"""Issue 2: a dense model on the real engine, updated from a separate trainer process over ZMQ TCP,
+equals a cold-loaded engine of the same weights; bad input is refused and changes nothing."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+
+from bridge import wire
+from tests.conftest import assert_same_outputs, generate, oracle, run_trainer
+from tests.rawclient import RawClient
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def dense(request: Any, ray_session: Any, checkpoints: Any) -> Any:
+    from inference_side import InferenceActor
+
+    v1 = checkpoints("tiny", 1)
+    actor = InferenceActor.remote(model=str(v1), tensor_parallel_size=request.param, dtype="bfloat16")
+    ray_session.get(actor.endpoint.remote(), timeout=600)
+    yield {"actor": actor, "tp": request.param, "v1": v1}
+    ray_session.get(actor.shutdown.remote())
+    ray_session.kill(actor)
+
+
+def test_publish_from_trainer_process_matches_cold_load(dense: Any, tmp_path: Any) -> None:
+    import ray
+
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    before = generate(actor)
+    lines = run_trainer(endpoint, "tiny", seeds=[2], first_version=2, save_dir=tmp_path)
+    assert lines[0]["ok"], lines
+    assert all(e["verified"] for e in lines[0]["engines"]), lines
+    assert ray.get(actor.version.remote()) == 2
+    after = generate(actor)
+    (cold,) = oracle([tmp_path / "v2"], dense["tp"], "bfloat16")
+    assert_same_outputs(after, cold)
+    assert after != before, "the update did not change the outputs at all"
+
+
+# ---- bad input: each refused with an error that names the problem; nothing applied ------------
+
+def _manifest(version: int, specs: list[wire.TensorSpec], sizes: list[int], protocol: int = wire.PROTOCOL_VERSION) -> wire.Manifest:
+    return wire.Manifest(version=version, tensors=tuple(specs), bucket_sizes=tuple(sizes), protocol=protocol)
+
+
+NORM = "model.norm.weight"  # (128,) in the tiny dense model
+
+
+def _norm_spec(dtype: str = "bfloat16", shape: tuple[int, ...] = (128,), name: str = NORM) -> wire.TensorSpec:
+    size = {"bfloat16": 2, "float32": 4}[dtype]
+    n = 1
+    for d in shape:
+        n *= d
+    return wire.TensorSpec(name, dtype, shape, 0, 0, n * size)
+
+
+def _raw_begin(endpoint: str, manifest: wire.Manifest | bytes) -> wire.Ack:
+    client = RawClient(endpoint, identity=b"bad-" + str(id(manifest)).encode())
+    try:
+        client.send(manifest if isinstance(manifest, bytes) else wire.Begin(manifest))
+        return client.until(wire.Ack)
+    finally:
+        client.close()
+
+
+def _good_begin_bytes(version: int) -> bytes:
+    return wire.encode(wire.Begin(_manifest(version, [_norm_spec()], [256])))
+
+
+BAD_HEADERS = {
+    "malformed header": (b"\xc1\xff\x00garbage", "malformed"),
+    "truncated header": (_good_begin_bytes(99)[:20], "malformed or truncated header"),
+    "unknown protocol": (wire.encode(wire.Begin(_manifest(99, [_norm_spec()], [256], protocol=7))), "unknown protocol version 7"),
+    "unknown tensor": (wire.encode(wire.Begin(_manifest(99, [_norm_spec(name="model.layers.0.bogus.weight")], [256]))), "unknown tensor name 'model.layers.0.bogus.weight'"),
+    "duplicate name": (b"dup", "duplicate tensor name 'model.norm.weight'"),
+    "shape mismatch": (wire.encode(wire.Begin(_manifest(99, [_norm_spec(shape=(64,))], [128]))), "tensor model.norm.weight: shape [64] does not match the engine's [128]"),
+    "dtype mismatch": (wire.encode(wire.Begin(_manifest(99, [_norm_spec(dtype="float32")], [512]))), "tensor model.norm.weight: dtype float32 does not match the engine's bfloat16"),
+}
+
+
+def _duplicate_manifest_bytes() -> bytes:
+    import msgpack
+
+    spec = _norm_spec().to_wire()
+    second = list(spec)
+    second[4] = 256
+    body = _manifest(99, [_norm_spec()], [512]).to_wire()
+    body["tensors"] = [spec, second]
+    return msgpack.packb({"type": "begin", "manifest": body})
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_bad_input_refused_and_nothing_applied(dense: Any, case: str) -> None:
+    import ray
+
+    if dense["tp"] != 1:
+        pytest.skip("bad input is checked on the receiver, before any worker: one TP size suffices")
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    version_before = ray.get(actor.version.remote())
+    before = generate(actor)
+    payload, expected = BAD_HEADERS[case]
+    if case == "duplicate name":
+        payload = _duplicate_manifest_bytes()
+    ack = _raw_begin(endpoint, payload)
+    assert not ack.ok
+    assert expected in ack.reason, ack.reason
+    assert ray.get(actor.version.remote()) == version_before
+    assert generate(actor) == before
+
+
+def test_checksum_mismatch_names_tensor_and_nothing_applied(dense: Any) -> None:
+    import ray
+    import torch
+
+    if dense["tp"] != 1:
+        pytest.skip("checked on the receiver; one TP size suffices")
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    version_before = ray.get(actor.version.remote())
+    before = generate(actor)
+    data = torch.full((128,), 3.0, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    client = RawClient(endpoint, identity=b"bad-checksum")
+    try:
+        client.send(wire.Begin(_manifest(version_before + 1, [_norm_spec()], [256])))
+        client.until(wire.Credit)
+        client.send(wire.BucketHeader(version=version_before + 1, index=0, checksums=(zlib.crc32(data) ^ 1,)), data)
+        ack = client.until(wire.Ack)
+    finally:
+        client.close()
+    assert not ack.ok
+    assert "tensor model.norm.weight: checksum mismatch" in ack.reason, ack.reason
+    assert ray.get(actor.version.remote()) == version_before
+    assert generate(actor) == before
+
+
+def test_truncated_bucket_refused(dense: Any) -> None:
+    import ray
+    import torch
+
+    if dense["tp"] != 1:
+        pytest.skip("checked on the receiver; one TP size suffices")
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    version_before = ray.get(actor.version.remote())
+    before = generate(actor)
+    data = torch.ones(128, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    client = RawClient(endpoint, identity=b"bad-truncated")
+    try:
+        client.send(wire.Begin(_manifest(version_before + 1, [_norm_spec()], [256])))
+        client.until(wire.Credit)
+        client.send(wire.BucketHeader(version=version_before + 1, index=0, checksums=(zlib.crc32(data),)), data[:100])
+        ack = client.until(wire.Ack)
+    finally:
+        client.close()
+    assert not ack.ok and "100 bytes arrived, manifest says 256 (truncated?)" in ack.reason, ack.reason
+    assert generate(actor) == before
+
+
+def test_publisher_reports_engine_reason(dense: Any) -> None:
+    """Through the public API: a wrong shape raises UpdateFailed naming the tensor; nothing applied."""
+    import ray
+    import torch
+
+    from bridge.errors import UpdateFailed
+    from trainer_side import WeightPublisher
+
+    if dense["tp"] != 1:
+        pytest.skip("checked on the receiver; one TP size suffices")
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    before = generate(actor)
+    version_before = ray.get(actor.version.remote())
+    with WeightPublisher([endpoint]) as pub:
+        with pytest.raises(UpdateFailed) as info:
+            pub.publish([("model.norm.weight", torch.ones(64))], version=version_before + 5)
+    assert "tensor model.norm.weight: shape [64] does not match the engine's [128]" in str(info.value)
+    assert endpoint in info.value.reasons
+    assert generate(actor) == before

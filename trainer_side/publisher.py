@@ -1,0 +1,229 @@
+"""WeightPublisher: stream named tensors to every engine, return once each has applied (or refused).
+
+One update: hello (engine dtype) -> manifest -> buckets in layer order, each packed while the previous
+one is on the wire, never more in flight per engine than that engine granted -> end -> ack.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bridge import wire
+from bridge.config import BridgeConfig, load_config
+from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
+from bridge.transports import send_plane
+from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    endpoint: str
+    version: int
+    ok: bool
+    reason: str
+    bytes: int
+    seconds: dict[str, float]
+    verified: bool
+    noop: bool = False
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    version: int
+    bytes: int
+    seconds: dict[str, float]
+    engines: tuple[EngineReport, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(e.ok for e in self.engines)
+
+    @property
+    def gbps(self) -> float:
+        total = self.seconds.get("total", 0.0)
+        return self.bytes / total / 1e9 if total > 0 else 0.0
+
+
+@dataclass
+class _Peer:
+    endpoint: str
+    socket: Any
+    info: wire.EngineInfo | None = None
+    credit: int = 0
+    ack: wire.Ack | None = None
+    last_heard: float = 0.0
+
+
+class WeightPublisher:
+    """Publishes weight versions to one or more inference endpoints (``tcp://host:port``)."""
+
+    def __init__(self, endpoints: list[str] | str, config: BridgeConfig | str | None = None,
+                 name: str | None = None, transport: str | None = None, curve_server_public: str | None = None) -> None:
+        import zmq
+
+        self.config = config if isinstance(config, BridgeConfig) else load_config(config)
+        self.transport = transport or self.config.transport.kind
+        self.name = name or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._ctx = zmq.Context.instance()
+        self._curve_public = curve_server_public if curve_server_public is not None else self.config.transport.curve_server_public
+        self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
+        self._poller = zmq.Poller()
+        for peer in self._peers:
+            self._poller.register(peer.socket, zmq.POLLIN)
+
+    def _connect(self, endpoint: str) -> _Peer:
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{self.name}|{endpoint}".encode()[:255])
+        if self._curve_public:
+            public, secret = zmq.curve_keypair()
+            sock.curve_serverkey = self._curve_public.encode()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.connect(endpoint)
+        return _Peer(endpoint, sock)
+
+    def close(self) -> None:
+        for peer in self._peers:
+            peer.socket.close(0)
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- messaging ----------------------------------------------------------------------------
+    def _send(self, peer: _Peer, msg: wire.Message, frames: tuple[Any, ...] = ()) -> None:
+        peer.socket.send_multipart([wire.encode(msg), *frames], copy=False)
+
+    def _pump(self, timeout_s: float) -> None:
+        """Receive whatever arrived within ``timeout_s`` and update peer state."""
+        import zmq
+
+        for sock, _ in self._poller.poll(int(timeout_s * 1000)):
+            peer = next(p for p in self._peers if p.socket is sock)
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                peer.last_heard = time.monotonic()
+                msg = wire.decode(frames[0])
+                if isinstance(msg, wire.EngineInfo):
+                    peer.info = msg
+                elif isinstance(msg, wire.Credit):
+                    peer.credit += msg.n
+                elif isinstance(msg, wire.Ack):
+                    peer.ack = msg
+
+    def _wait(self, cond: Any, deadline_s: float, what: str, peers: list[_Peer]) -> None:
+        end = time.monotonic() + deadline_s
+        while not all(cond(p) for p in peers):
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                late = [p.endpoint for p in peers if not cond(p)]
+                raise DeadlineExceeded(f"{what}: no answer within {deadline_s}s from {late}")
+            self._pump(min(remaining, 0.05))
+
+    def _hello(self) -> None:
+        todo = [p for p in self._peers if p.info is None]
+        for peer in todo:
+            self._send(peer, wire.Hello(publisher=self.name))
+        self._wait(lambda p: p.info is not None or p.ack is not None, self.config.deadlines.connect_s, "connect", todo)
+        for peer in todo:
+            if peer.ack is not None and not peer.ack.ok:
+                raise TransportError(f"{peer.endpoint} refused the connection: {peer.ack.reason}")
+
+    # ---- publish ------------------------------------------------------------------------------
+    def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int,
+                probe: wire.ProbeSpec | None = None) -> PublishReport:
+        """Send one version to every engine; return after each applied it, raise UpdateFailed otherwise."""
+        t_start = time.perf_counter()
+        self._hello()
+        dtypes = {p.info.dtype for p in self._peers if p.info}
+        if len(dtypes) != 1:
+            raise TransportError(f"engines serve different dtypes {sorted(dtypes)}; publish to each group separately")
+        dtype = dtypes.pop()
+        named = list(iter_named(weights))
+        plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
+        manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
+                                 publisher=self.name, transport=self.transport, probe=probe)
+        plane = send_plane(self.transport)
+        for peer in self._peers:
+            peer.credit, peer.ack = 0, None
+            self._send(peer, wire.Begin(manifest))
+            peer.last_heard = time.monotonic()
+        seconds = {"pack": 0.0}
+        deadlines = self.config.deadlines
+        try:
+            self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.manifest_s, "manifest", self._peers)
+            for index, size in enumerate(plan.bucket_sizes):
+                t0 = time.perf_counter()
+                buffer = plane.allocate(index, size)
+                sums = pack_bucket(plan, tensors, index, buffer)
+                out = plane.seal(index, buffer)
+                seconds["pack"] += time.perf_counter() - t0
+                header = wire.BucketHeader(version=version, index=index, checksums=tuple(sums), segment=out.segment)
+                active = [p for p in self._peers if p.ack is None]
+                self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.bucket_s, f"bucket {index}", active)
+                for peer in active:
+                    if peer.ack is None:
+                        peer.credit -= 1
+                        self._send(peer, header, out.frames)
+            for peer in self._peers:
+                if peer.ack is None:
+                    self._send(peer, wire.End(version=version))
+            seconds["transfer"] = time.perf_counter() - t_start - seconds["pack"]
+            t_end = time.perf_counter()
+            self._await_acks(deadlines.ack_s, deadlines.heartbeat_s)
+            seconds["apply"] = time.perf_counter() - t_end
+        except (DeadlineExceeded, WireError) as exc:
+            for peer in self._peers:
+                if peer.ack is None:
+                    self._send(peer, wire.Abort(version=version, reason=str(exc)))
+                    peer.ack = wire.Ack(version=version, ok=False, reason=f"{type(exc).__name__}: {exc}")
+        finally:
+            plane.release()
+        seconds["total"] = time.perf_counter() - t_start
+        report = self._report(manifest, seconds)
+        failed = {e.endpoint: e.reason for e in report.engines if not e.ok}
+        if failed:
+            detail = "; ".join(f"{ep}: {why}" for ep, why in failed.items())
+            raise UpdateFailed(f"version {version} was not applied by {len(failed)} of {len(self._peers)} engine(s): {detail}", failed)
+        return report
+
+    def _await_acks(self, ack_s: float, heartbeat_s: float) -> None:
+        end = time.monotonic() + ack_s
+        while any(p.ack is None for p in self._peers):
+            now = time.monotonic()
+            if now > end:
+                raise DeadlineExceeded(f"apply: no acknowledgement within {ack_s}s")
+            for peer in self._peers:
+                if peer.ack is None and now - peer.last_heard > max(3 * heartbeat_s, 5.0):
+                    peer.ack = wire.Ack(version=0, ok=False, reason=f"engine went silent for {now - peer.last_heard:.1f}s (no heartbeat): presumed dead")
+            self._pump(0.05)
+
+    def _report(self, manifest: wire.Manifest, seconds: dict[str, float]) -> PublishReport:
+        engines = []
+        for peer in self._peers:
+            ack = peer.ack or wire.Ack(version=manifest.version, ok=False, reason="no acknowledgement")
+            eng = dict(ack.report)
+            verified = bool(ack.ok and not eng.get("stale_tensors") and not eng.get("identity_violations"))
+            engines.append(EngineReport(
+                endpoint=peer.endpoint, version=manifest.version, ok=ack.ok, reason=ack.reason,
+                bytes=manifest.total_bytes, seconds={**seconds, **{f"engine_{k}": v for k, v in eng.get("seconds", {}).items()}},
+                verified=verified, noop=bool(eng.get("noop")), engine=eng,
+            ))
+        return PublishReport(manifest.version, manifest.total_bytes, seconds, tuple(engines))
