@@ -128,8 +128,10 @@ def _check_scalar(hint: Any, value: Any, where: str) -> Any:
         return value
     if origin in (typing.Union, types.UnionType):
         return value
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected float, got {value!r}")
     if hint in (int, str, bool) and not (isinstance(value, hint) and (hint is bool or not isinstance(value, bool))):
         raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value

@@ -43,10 +43,24 @@ def _require(cond: bool, message: str, exc: type[WireError] = WireError) -> None
         raise exc(message)
 
 
+def _brief(value: Any, limit: int = 80) -> str:
+    """repr of a received value for an error message: bounded in length, safe on deeply nested values."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    _require(isinstance(value, int) and not isinstance(value, bool), f"{what} must be an integer, got {value!r}")
+    _require(isinstance(value, int) and not isinstance(value, bool), f"{what} must be an integer, got {_brief(value)}")
     _require(lo <= value <= hi, f"{what}={value} is out of range [{lo}, {hi}]")
     return int(value)
+
+
+def _float(value: Any, what: str) -> float:
+    _require(isinstance(value, int | float) and not isinstance(value, bool), f"{what} must be a number, got {_brief(value)}")
+    return float(value)
 
 
 def _str(value: Any, what: str, max_len: int = MAX_NAME_LEN) -> str:
@@ -75,9 +89,9 @@ class TensorSpec:
 
     @classmethod
     def from_wire(cls, raw: Any) -> TensorSpec:
-        _require(isinstance(raw, list | tuple) and len(raw) == 6, f"tensor entry must be a 6-item list, got {raw!r:.80}")
+        _require(isinstance(raw, list | tuple) and len(raw) == 6, f"tensor entry must be a 6-item list, got {_brief(raw)}")
         name = _str(raw[0], "tensor name")
-        _require(bool(_NAME_RE.match(name)) and ".." not in name, f"tensor name {name!r} is not a valid parameter path", ManifestError)
+        _require(bool(_NAME_RE.fullmatch(name)) and ".." not in name, f"tensor name {name!r} is not a valid parameter path", ManifestError)
         dtype = _str(raw[1], f"dtype of {name}", 32)
         _require(dtype in DTYPE_SIZES, f"tensor {name}: unknown dtype {dtype!r}", ManifestError)
         _require(isinstance(raw[2], list | tuple) and len(raw[2]) <= MAX_NDIM, f"tensor {name}: shape must be a list of at most {MAX_NDIM} dims", ManifestError)
@@ -111,7 +125,7 @@ class ProbeSpec:
         seqs, lps = raw.get("sequences"), raw.get("logprobs")
         _require(isinstance(seqs, list) and isinstance(lps, list) and len(seqs) == len(lps) <= 256, "probe: sequences and logprobs must be lists of equal length (at most 256)")
         sequences = tuple(tuple(_int(t, "probe token", 0, 1 << 31) for t in s) for s in seqs)  # type: ignore[union-attr]
-        logprobs = tuple(tuple(float(x) for x in p) for p in lps)  # type: ignore[union-attr]
+        logprobs = tuple(tuple(_float(x, "probe logprob") for x in p) for p in lps)  # type: ignore[union-attr]
         for s, p in zip(sequences, logprobs, strict=True):
             _require(len(p) == len(s) - 1, "probe: each sequence needs one log-probability per token after the first")
         return cls(sequences, logprobs)
@@ -154,7 +168,7 @@ class Manifest:
     def from_wire(cls, raw: Any, max_tensors: int = 1_000_000) -> Manifest:
         _require(isinstance(raw, dict), "manifest must be a map")
         protocol = raw.get("protocol")
-        _require(protocol == PROTOCOL_VERSION, f"unknown protocol version {protocol!r} (this receiver speaks {PROTOCOL_VERSION})")
+        _require(protocol == PROTOCOL_VERSION, f"unknown protocol version {_brief(protocol)} (this receiver speaks {PROTOCOL_VERSION})")
         tensors_raw = raw.get("tensors")
         _require(isinstance(tensors_raw, list), "manifest.tensors must be a list")
         _require(len(tensors_raw) <= max_tensors, f"manifest lists {len(tensors_raw)} tensors, more than the limit {max_tensors}")
@@ -355,4 +369,4 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
             )
     except (TypeError, KeyError, AttributeError) as exc:
         raise WireError(f"malformed {kind} message: {exc}") from exc
-    raise WireError(f"unknown message type {kind!r}")
+    raise WireError(f"unknown message type {_brief(kind)}")
