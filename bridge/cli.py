@@ -1,0 +1,235 @@
+"""weight-bridge: stream trained policy weights into running vLLM engines, verified on every update.
+
+    weight-bridge demo  [...]       run the end-to-end demo (trainer -> vLLM engines, verified)
+    weight-bridge serve --port P    dashboard, JSON API and Prometheus /metrics
+    weight-bridge bench [...]       measure sync latency and throughput
+    weight-bridge health --url U    one-line verdict per engine; non-zero exit if any is unhealthy
+
+``weight-bridge <command> --help`` explains each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bridge.config import load_config
+from bridge.errors import BridgeError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://127.0.0.1:8321"
+EXIT_UNHEALTHY = 1
+EXIT_ERROR = 2
+
+
+class CliError(BridgeError):
+    """A command cannot run as asked (bad input file, missing module, unreachable service)."""
+
+
+# ---- demo / bench: thin delegations ------------------------------------------------------------------
+def _delegate(module: str, parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """Run ``module.main(argv)``; on ``--help`` print this command's summary before the module's own help."""
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    if wants_help:
+        parser.print_help()
+        print(f"\nOptions of {module} (everything after the command is passed to it):\n", flush=True)
+    try:
+        entry: Callable[[list[str]], int | None] = importlib.import_module(module).main
+    except ModuleNotFoundError as exc:
+        if exc.name not in (module, module.partition(".")[0]):
+            raise
+        if wants_help:
+            print(f"  ({module} is not present in this installation)")
+            return 0
+        raise CliError(f"{module} is not importable ({exc}); it ships with the repository: run from its root "
+                       f"(python -m bridge.cli ...) after scripts/setup_env.sh") from exc
+    try:
+        return int(entry(argv) or 0)
+    except SystemExit as exc:  # argparse --help / usage errors inside the delegate
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_ERROR)
+
+
+def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    return _delegate("bridge.demo", args.parser, extra)
+
+
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    return _delegate("bench.run", args.parser, extra)
+
+
+# ---- serve ----------------------------------------------------------------------------------------------
+def load_records(path: Path) -> list[Any]:
+    """SyncRecords from a JSONL file (one ``SyncRecord.to_dict()`` per line; blank lines skipped)."""
+    from bridge.records import SyncRecord
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CliError(f"cannot read records file {path}: {exc}") from exc
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(SyncRecord.from_dict(json.loads(line)))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise CliError(f"{path}:{number}: not a sync record ({exc})") from exc
+    return records
+
+
+def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    from bridge.dashboard.poller import NamedActorSource, Source
+    from bridge.dashboard.service import DashboardService
+    from bridge.metrics import MetricsHub
+
+    config = load_config(args.config)
+    hub = MetricsHub.from_config(config)
+    if args.records:
+        records = load_records(Path(args.records))
+        for record in records:
+            hub.observe(record)
+        logger.info("loaded %s records from %s", len(records), args.records)
+    sources: list[Source] = []
+    if args.actor:
+        import ray
+
+        ray.init(address=args.ray_address, namespace=args.ray_namespace, log_to_driver=False)
+        sources = [NamedActorSource(name, args.ray_namespace) for name in args.actor]
+    host = args.host or config.serve.host
+    port = config.serve.port if args.port is None else args.port
+    service = DashboardService(hub, host=host, port=port, sources=sources, poll_interval_s=args.poll_interval)
+    service.serve_forever(on_ready=lambda url: print(
+        f"weight-bridge dashboard on {url}/  (metrics: {url}/metrics, JSON: {url}/api/records, "
+        f"{url}/api/engines; Ctrl-C stops)", flush=True))
+    return 0
+
+
+# ---- health ---------------------------------------------------------------------------------------------
+def _get_json(url: str, timeout_s: float) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return json.loads(resp.read().decode("utf-8"))
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise CliError(f"{url}: {exc}") from exc
+
+
+def verdict_line(engine: dict[str, Any]) -> str:
+    health = str(engine.get("health", "unknown"))
+    line = f"{health.upper():<11} {engine.get('engine')}  v{engine.get('version')}  lag {engine.get('lag')}"
+    why = engine.get("degraded_reason") or engine.get("unreachable_reason")
+    last = engine.get("last_sync") or {}
+    if not why and last and not last.get("ok", True):
+        why = f"last sync v{last.get('version')} failed: {last.get('reason')}"
+    return f"{line}  {why}" if why else line
+
+
+def cmd_health(args: argparse.Namespace, extra: list[str]) -> int:
+    base = args.url.rstrip("/")
+    try:
+        _get_json(f"{base}/healthz", args.timeout)
+        view = _get_json(f"{base}/api/engines", args.timeout)
+    except CliError as exc:
+        print(f"UNREACHABLE dashboard {base}: {exc}")
+        return EXIT_ERROR
+    engines = view.get("engines", [])
+    if not engines:
+        print(f"NO ENGINES  {base} knows no engine yet")
+        return EXIT_UNHEALTHY
+    for engine in engines:
+        print(verdict_line(engine))
+    return 0 if all(e.get("health") == "ok" for e in engines) else EXIT_UNHEALTHY
+
+
+# ---- parser ---------------------------------------------------------------------------------------------
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weight-bridge", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, handler: Handler, summary: str, description: str, *, delegated: str = "",
+            epilog: str | None = None) -> argparse.ArgumentParser:
+        usage = f"%(prog)s [options of {delegated}]" if delegated else None
+        p = sub.add_parser(name, help=summary, description=description, epilog=epilog, usage=usage,
+                           add_help=not delegated, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(handler=handler, parser=p, delegated=bool(delegated))
+        return p
+
+    add("demo", cmd_demo, "run the end-to-end demo: a trainer streams weights into running vLLM engines",
+        "Run the end-to-end demo: start tiny vLLM engines, publish new policy weights from a trainer\n"
+        "process, verify every update, and show the results. Implemented by bridge.demo; every option\n"
+        "after `demo` is passed to it.", delegated="bridge.demo",
+        epilog="example:\n  weight-bridge demo            # or: make demo")
+    add("bench", cmd_bench, "measure sync latency and throughput (bench/run.py)",
+        "Benchmark weight syncs: latency per phase and GB/s for several model sizes and transports.\n"
+        "Implemented by bench/run.py; every option after `bench` is passed to it. Results go to\n"
+        "bench/results/.", delegated="bench.run",
+        epilog="example:\n  weight-bridge bench           # or: make bench")
+
+    serve = add("serve", cmd_serve, "serve the dashboard, JSON API and Prometheus /metrics",
+                "Serve the read-only dashboard (GET /), the JSON API (GET /api/records, /api/engines),\n"
+                "Prometheus metrics (GET /metrics) and a liveness check (GET /healthz).\n"
+                "Binds loopback unless --host says otherwise. Data comes from --records (a JSONL file)\n"
+                "and/or from named Ray actors (--actor), polled every --poll-interval seconds.",
+                epilog="examples:\n"
+                       "  weight-bridge serve --port 8321 --records artifacts/records.jsonl\n"
+                       "  weight-bridge serve --host 0.0.0.0 --port 8321 --ray-address auto --actor engine-0\n"
+                       "then open http://127.0.0.1:8321/ or scrape http://127.0.0.1:8321/metrics")
+    serve.add_argument("--port", type=int, help="TCP port (default: serve.port of the config, 8321; 0 = any free)")
+    serve.add_argument("--host", help="address to bind (default: serve.host of the config, 127.0.0.1)")
+    serve.add_argument("--records", metavar="FILE.jsonl", help="preload sync records: one SyncRecord dict per line")
+    serve.add_argument("--config", metavar="FILE.yaml", help="config file (default: configs/default.yaml)")
+    serve.add_argument("--actor", action="append", metavar="NAME",
+                       help="name of a Ray InferenceActor to poll for status and records (repeat for several)")
+    serve.add_argument("--ray-address", default="auto", metavar="ADDRESS", help="Ray cluster to join with --actor (default: auto)")
+    serve.add_argument("--ray-namespace", default="weight-bridge", metavar="NAMESPACE",
+                       help="Ray namespace of the --actor names (default: weight-bridge)")
+    serve.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="seconds between polls of the actors (default: 1)")
+
+    health = add("health", cmd_health, "check a running dashboard: one line per engine, exit 1 if any is unhealthy",
+                 "Ask a running `weight-bridge serve` (GET /healthz and /api/engines) how its engines are.\n"
+                 "Prints one line per engine: OK, DEGRADED (refuses requests until a complete update)\n"
+                 "or UNREACHABLE, with version, lag behind the trainer and the reason.\n"
+                 "Exit status: 0 all engines ok; 1 an engine is degraded or unreachable, or none is known;\n"
+                 "2 the dashboard itself cannot be reached.",
+                 epilog="example:\n  weight-bridge health --url http://127.0.0.1:8321")
+    health.add_argument("--url", default=DEFAULT_URL, help=f"base URL of the dashboard (default: {DEFAULT_URL})")
+    health.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="timeout of each request (default: 5)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.print_help()
+        return EXIT_ERROR
+    if extra and not args.delegated:
+        parser.error(f"unrecognized arguments for {args.command}: {' '.join(extra)}")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args, extra)
+    except BridgeError as exc:
+        print(f"weight-bridge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Pull engines' status and sync records into a ``MetricsHub``.
+
+A source is any callable returning ``(status_dict, list_of_record_dicts)``: a local ``InferenceServer``
+(``server_source``), a Ray actor (``ray_source``) or a stub in tests. Engines return their whole recent
+history on every call, so records are deduplicated by ``(engine, version, timestamp)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bridge.metrics import MetricsHub
+from bridge.records import SyncRecord
+
+logger = logging.getLogger(__name__)
+
+Source = Callable[[], tuple[dict[str, Any], list[dict[str, Any]]]]
+RecordKey = tuple[str, int, float]
+
+
+def server_source(server: Any) -> Source:
+    """A source over an object with ``status()`` and ``records()`` methods (an ``InferenceServer``)."""
+    return lambda: (server.status(), server.records())
+
+
+def ray_source(actor: Any, timeout_s: float = 5.0) -> Source:
+    """A source over an ``InferenceActor`` handle; one round trip per poll."""
+
+    def pull() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        import ray
+
+        status, records = ray.get([actor.status.remote(), actor.records.remote()], timeout=timeout_s)
+        return status, records
+
+    return pull
+
+
+class NamedActorSource:
+    """A source over a named ``InferenceActor``, looked up on first use and again after any failure,
+    so the dashboard may start before the engines do. Needs ``ray.init`` done by the caller."""
+
+    def __init__(self, name: str, namespace: str | None = None, timeout_s: float = 5.0) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self._handle: Any = None
+
+    def __call__(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        import ray
+
+        if self._handle is None:
+            self._handle = ray.get_actor(self.name, namespace=self.namespace)
+        try:
+            status, records = ray.get([self._handle.status.remote(), self._handle.records.remote()],
+                                      timeout=self.timeout_s)
+        except Exception:
+            self._handle = None  # look the actor up again next time: it may have been restarted
+            raise
+        return status, records
+
+
+class Poller:
+    """Calls every source each ``interval_s`` seconds (in a daemon thread) and feeds the hub."""
+
+    def __init__(self, hub: MetricsHub, sources: Sequence[Source], interval_s: float = 1.0,
+                 dedupe_capacity: int | None = None) -> None:
+        self.hub = hub
+        self.sources = list(sources)
+        self.interval_s = interval_s
+        self._capacity = dedupe_capacity or 4 * max(1, len(self.sources)) * max(1, hub.history)
+        self._seen: OrderedDict[RecordKey, None] = OrderedDict()
+        self._names: dict[int, str] = {}  # source index -> engine name from its last good status
+        self._failing: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll_once(self) -> int:
+        """Pull every source once; return how many new records reached the hub."""
+        fed = 0
+        for index, source in enumerate(self.sources):
+            try:
+                status, records = source()
+            except Exception as exc:  # noqa: BLE001 - any failure of one source must not stop the others
+                name = self._names.get(index) or getattr(source, "name", None) or f"source-{index}"
+                level = logging.DEBUG if index in self._failing else logging.WARNING  # warn once per outage
+                logger.log(level, "status of %s unavailable: %s", name, exc)
+                self._failing.add(index)
+                self.hub.set_engine_unreachable(name, f"{type(exc).__name__}: {exc}")
+                continue
+            if index in self._failing:
+                self._failing.discard(index)
+                logger.info("status of %s available again", status.get("engine"))
+            self._names[index] = str(status.get("engine", f"source-{index}"))
+            fed += self._feed(records)
+            self.hub.set_engine_status(status)
+        return fed
+
+    def _feed(self, records: list[dict[str, Any]]) -> int:
+        fed = 0
+        for data in records:
+            try:
+                record = SyncRecord.from_dict(data)
+            except (TypeError, ValueError, AttributeError) as exc:
+                logger.warning("skipping malformed sync record %.200r: %s", data, exc)
+                continue
+            key = (record.engine, record.version, record.timestamp)
+            if key in self._seen:
+                continue
+            self._seen[key] = None
+            if len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+            self.hub.observe(record)
+            fed += 1
+        return fed
+
+    def start(self) -> Poller:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="weight-bridge-poller", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.poll_once()
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,314 @@
+"""Prometheus metrics and the in-memory state behind the dashboard and its JSON API.
+
+One ``MetricsHub`` owns a private ``CollectorRegistry`` (so several hubs, e.g. in tests, never clash)
+and is fed two kinds of facts: ``SyncRecord``s (one per sync per engine, via ``observe``) and engine
+status dicts (``InferenceServer.status()``, via ``set_engine_status``). Everything the dashboard
+shows is derived here, so the page and ``/metrics`` always agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from bridge.config import BridgeConfig, ProbeConfig, ServeConfig
+from bridge.records import PHASES, SyncRecord
+
+logger = logging.getLogger(__name__)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+KNOWN_PHASES = frozenset((*PHASES, "apply"))
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0,
+                 60.0, 150.0, 300.0, 600.0, float("inf"))
+MAX_ALERT_ITEMS = 5
+MAX_ALERT_CHARS = 300
+
+# Failure classes, most specific first. A reason names an exception class of bridge/errors.py when it
+# comes from a raise ("rank 0: AuditError: stale after update: ..."); otherwise its words decide.
+_BY_EXCEPTION: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("stale", ("AuditError",)),
+    ("identity", ("IdentityError",)),
+    ("checksum", ("ChecksumError",)),
+    ("nonfinite", ("NonFiniteError",)),
+    ("manifest", ("ManifestError",)),
+    ("version", ("VersionError",)),
+    ("router", ("RouterError",)),
+    ("timeout", ("DeadlineExceeded", "TimeoutError")),
+    ("wire", ("WireError",)),
+    ("transport", ("TransportError", "ConnectionError")),
+)
+_BY_PHRASE: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("stale", ("stale",)),
+    ("identity", ("storage changed", "identity")),
+    ("checksum", ("checksum",)),
+    ("nonfinite", ("nan or inf", "non-finite", "nonfinite")),
+    ("timeout", ("timeout", "timed out", "deadline", "went silent", "no heartbeat")),
+    ("version", ("older than the served version",)),
+    ("wire", ("truncated", "unknown protocol", "unexpected message", "unexpected bucket")),
+    ("manifest", ("manifest", "unknown tensor name")),
+    ("aborted", ("aborted",)),
+    ("transport", ("refused the connection", "connection")),
+)
+FAILURE_CLASSES = tuple(dict.fromkeys([c for c, _ in _BY_EXCEPTION] + [c for c, _ in _BY_PHRASE] + ["other"]))
+
+
+def failure_class(reason: str) -> str:
+    """Map a failed sync's free-text reason to one short class (a bounded label value)."""
+    for cls, names in _BY_EXCEPTION:
+        if any(re.search(rf"\b{name}\b", reason) for name in names):
+            return cls
+    lowered = reason.lower()
+    for cls, phrases in _BY_PHRASE:
+        if any(p in lowered for p in phrases):
+            return cls
+    return "other"
+
+
+def _clip(text: str, limit: int = MAX_ALERT_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _name_list(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:MAX_ALERT_ITEMS])
+    more = len(names) - MAX_ALERT_ITEMS
+    return shown + (f" (+{more} more)" if more > 0 else "")
+
+
+@dataclass
+class _Engine:
+    """What the hub knows about one engine."""
+
+    name: str
+    status: dict[str, Any] | None = None
+    status_at: float | None = None
+    unreachable: str | None = None
+    last_record: SyncRecord | None = None
+    record_version: int = 0  # version of the newest successful sync seen in records
+    syncs: int = 0
+    failures: int = 0
+
+    @property
+    def version(self) -> int:
+        if self.status is not None:
+            return int(self.status.get("version", 0))
+        return self.record_version
+
+    @property
+    def degraded_reason(self) -> str | None:
+        """Why the engine refuses requests, or None. Its status is authoritative when known."""
+        if self.status is not None:
+            reason = self.status.get("degraded")
+            return str(reason) if reason else None
+        rec = self.last_record
+        if rec is not None and not rec.ok and ("apply" in rec.seconds or rec.stale_tensors or rec.identity_violations):
+            return f"update to v{rec.version} failed after loading began: {rec.reason}"
+        return None
+
+
+class MetricsHub:
+    """Prometheus metrics on a private registry, a ring of recent records and each engine's last status."""
+
+    def __init__(self, history: int = ServeConfig.history,
+                 probe_threshold: float = ProbeConfig.max_mean_abs_logprob_diff) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.history = history
+        self.probe_threshold = probe_threshold
+        self._lock = threading.Lock()
+        self._records: deque[SyncRecord] = deque(maxlen=history)
+        self._engines: dict[str, _Engine] = {}
+        self._trainer_version = 0
+        self._started = time.time()
+        self._define_metrics()
+
+    @classmethod
+    def from_config(cls, config: BridgeConfig) -> MetricsHub:
+        return cls(history=config.serve.history, probe_threshold=config.probe.max_mean_abs_logprob_diff)
+
+    def _define_metrics(self) -> None:
+        r = self.registry
+        self.phase_seconds = Histogram("weight_bridge_sync_phase_seconds", "Seconds spent in each phase of a sync.",
+                                       ["engine", "phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.engine_version = Gauge("weight_bridge_engine_weight_version", "Weight version the engine serves.",
+                                    ["engine"], registry=r)
+        self.trainer_version = Gauge("weight_bridge_trainer_weight_version",
+                                     "Newest weight version the trainer published (or any engine reported).", registry=r)
+        self.version_lag = Gauge("weight_bridge_engine_version_lag",
+                                 "Trainer weight version minus the engine's weight version.", ["engine"], registry=r)
+        self.failures = Counter("weight_bridge_sync_failures", "Failed syncs, by failure class.",
+                                ["engine", "reason"], registry=r)
+        self.syncs = Counter("weight_bridge_syncs", "Syncs by result (ok, failed, noop).", ["engine", "result"],
+                             registry=r)
+        self.sync_bytes = Counter("weight_bridge_sync_bytes", "Bytes of weights delivered by successful syncs.",
+                                  ["engine"], registry=r)
+        self.stale = Gauge("weight_bridge_stale_tensors", "Stale tensors found by the audit of the latest sync.",
+                           ["engine"], registry=r)
+        self.identity = Gauge("weight_bridge_identity_violations",
+                              "Storage-identity violations found in the latest sync.", ["engine"], registry=r)
+        self.probe_diff = Gauge("weight_bridge_probe_mean_abs_logprob_diff",
+                                "Mean |logprob(trainer) - logprob(engine)| on the probe of the latest checked sync.",
+                                ["engine"], registry=r)
+        self.probe_kl = Gauge("weight_bridge_probe_kl", "KL estimate on the probe of the latest checked sync.",
+                              ["engine"], registry=r)
+        self.degraded = Gauge("weight_bridge_engine_degraded", "1 if the engine refuses requests until a complete update.",
+                              ["engine"], registry=r)
+        self.up = Gauge("weight_bridge_engine_up", "1 if the engine answered the last status poll.", ["engine"],
+                        registry=r)
+
+    # ---- feeding --------------------------------------------------------------------------------
+    def observe(self, record: SyncRecord) -> None:
+        """Account one sync record: counters, histograms and the engine's latest-sync gauges."""
+        name = record.engine
+        result = "noop" if record.noop else ("ok" if record.ok else "failed")
+        with self._lock:
+            self.syncs.labels(name, result).inc()
+            for phase, seconds in record.seconds.items():
+                if phase in KNOWN_PHASES and seconds >= 0:
+                    self.phase_seconds.labels(name, phase).observe(seconds)
+                else:
+                    logger.debug("ignoring phase %r=%s of %s v%s", phase, seconds, name, record.version)
+            if not record.ok:
+                self.failures.labels(name, failure_class(record.reason)).inc()
+            elif not record.noop:
+                self.sync_bytes.labels(name).inc(record.bytes)
+            self.stale.labels(name).set(len(record.stale_tensors))
+            self.identity.labels(name).set(len(record.identity_violations))
+            if record.probe_mean_abs_logprob_diff is not None:
+                self.probe_diff.labels(name).set(record.probe_mean_abs_logprob_diff)
+            if record.probe_kl is not None:
+                self.probe_kl.labels(name).set(record.probe_kl)
+            self._records.append(record)
+            engine = self._engine(name)
+            engine.syncs += 1
+            engine.failures += 0 if record.ok else 1
+            engine.last_record = record
+            if record.ok:
+                engine.record_version = max(engine.record_version, record.version)
+            self._trainer_version = max(self._trainer_version, record.version)
+            self._refresh_gauges()
+
+    def set_engine_status(self, status: dict[str, Any]) -> None:
+        """Take an engine's ``status()`` dict: version, degraded reason, endpoint, TP size, dtype."""
+        name = str(status["engine"])
+        with self._lock:
+            engine = self._engine(name)
+            engine.status = dict(status)
+            engine.status_at = time.time()
+            engine.unreachable = None
+            self._trainer_version = max(self._trainer_version, engine.version)
+            self._refresh_gauges()
+
+    def set_engine_unreachable(self, name: str, error: str) -> None:
+        """Mark an engine whose status could not be fetched; it keeps its last known version."""
+        with self._lock:
+            self._engine(name).unreachable = error
+            self._refresh_gauges()
+
+    def set_trainer_version(self, version: int) -> None:
+        with self._lock:
+            self._trainer_version = max(int(version), *(e.version for e in self._engines.values()), 0)
+            self._refresh_gauges()
+
+    def _engine(self, name: str) -> _Engine:
+        if name not in self._engines:
+            self._engines[name] = _Engine(name)
+        return self._engines[name]
+
+    def _refresh_gauges(self) -> None:
+        self.trainer_version.set(self._trainer_version)
+        for name, engine in self._engines.items():
+            self.engine_version.labels(name).set(engine.version)
+            self.version_lag.labels(name).set(self._trainer_version - engine.version)
+            self.degraded.labels(name).set(1 if engine.degraded_reason else 0)
+            self.up.labels(name).set(0 if engine.unreachable else 1)
+
+    # ---- reading --------------------------------------------------------------------------------
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this hub's registry."""
+        return generate_latest(self.registry)
+
+    def records(self, limit: int | None = None, engine: str | None = None) -> list[dict[str, Any]]:
+        """Recent records as dicts, oldest first (newest last)."""
+        with self._lock:
+            chosen = [r for r in self._records if engine is None or r.engine == engine]
+        if limit is not None:
+            chosen = chosen[-limit:] if limit > 0 else []
+        return [r.to_dict() for r in chosen]
+
+    def engines(self) -> dict[str, Any]:
+        """Every known engine with version, lag and health, the trainer version and the active alerts."""
+        with self._lock:
+            now = time.time()
+            engines = [self._engine_view(e, now) for _, e in sorted(self._engines.items())]
+            return {"trainer_version": self._trainer_version, "probe_threshold": self.probe_threshold,
+                    "uptime_s": now - self._started, "engines": engines, "alerts": self._alerts()}
+
+    def _engine_view(self, engine: _Engine, now: float) -> dict[str, Any]:
+        status = engine.status or {}
+        degraded = engine.degraded_reason
+        health = "unreachable" if engine.unreachable else ("degraded" if degraded else "ok")
+        rec = engine.last_record
+        last = None if rec is None else {
+            "version": rec.version, "ok": rec.ok, "noop": rec.noop, "reason": rec.reason,
+            "failure_class": None if rec.ok else failure_class(rec.reason), "timestamp": rec.timestamp,
+            "total_s": rec.seconds.get("total"), "gbps": rec.gbps, "stale_tensors": len(rec.stale_tensors),
+            "identity_violations": len(rec.identity_violations),
+            "probe_mean_abs_logprob_diff": rec.probe_mean_abs_logprob_diff, "probe_flagged": rec.probe_flagged,
+        }
+        return {
+            "engine": engine.name, "version": engine.version, "lag": self._trainer_version - engine.version,
+            "health": health, "degraded": degraded is not None, "degraded_reason": degraded,
+            "reachable": engine.unreachable is None, "unreachable_reason": engine.unreachable,
+            "endpoint": status.get("endpoint"), "tp_size": status.get("tp_size"), "dtype": status.get("dtype"),
+            "status_age_s": None if engine.status_at is None else now - engine.status_at,
+            "syncs": engine.syncs, "failures": engine.failures, "last_sync": last,
+        }
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Problems shown in the red banner: from each engine's latest record and status."""
+        with self._lock:
+            return self._alerts()
+
+    def _alerts(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+
+        def add(engine: str, kind: str, version: int | None, message: str) -> None:
+            out.append({"engine": engine, "kind": kind, "version": version, "message": _clip(message)})
+
+        for name, engine in sorted(self._engines.items()):
+            if engine.unreachable:
+                add(name, "unreachable", None, f"engine unreachable: {engine.unreachable}")
+            degraded = engine.degraded_reason
+            if degraded:
+                add(name, "degraded", engine.version, f"engine degraded (refuses requests): {degraded}")
+            rec = engine.last_record
+            if rec is None:
+                continue
+            if not rec.ok:
+                add(name, "failed", rec.version, f"sync v{rec.version} failed [{failure_class(rec.reason)}]: {rec.reason}")
+            if rec.stale_tensors:
+                add(name, "stale", rec.version,
+                    f"{len(rec.stale_tensors)} stale tensor(s) after v{rec.version}: {_name_list(rec.stale_tensors)}")
+            if rec.identity_violations:
+                add(name, "identity", rec.version,
+                    f"{len(rec.identity_violations)} identity violation(s) in v{rec.version}: "
+                    f"{_name_list(rec.identity_violations)}")
+            if rec.probe_flagged:
+                diff = rec.probe_mean_abs_logprob_diff
+                shown = "?" if diff is None else f"{diff:.4g}"
+                add(name, "probe", rec.version,
+                    f"probe mismatch on v{rec.version}: mean |Δlogprob| {shown} > {self.probe_threshold:.4g}")
+        return out
