@@ -16,7 +16,7 @@ demo: setup
 	$(PY) -m bridge.cli demo $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check bridge trainer_side inference_side tests bench
+	$(VENV)/bin/ruff check bridge trainer_side inference_side tests
 	$(VENV)/bin/mypy bridge trainer_side inference_side
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 
