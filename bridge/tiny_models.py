@@ -22,8 +22,8 @@ DENSE_PRESETS: dict[str, dict[str, int]] = {
 def dense_config(preset: str = "tiny") -> Any:
     from transformers import Qwen2Config
 
-    dims = DENSE_PRESETS[preset]
-    return Qwen2Config(
+    dims: dict[str, Any] = dict(DENSE_PRESETS[preset])
+    return Qwen2Config(  # type: ignore[call-arg]
         **dims,
         max_position_embeddings=512,
         tie_word_embeddings=False,

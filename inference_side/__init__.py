@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
 
         from inference_side.server import InferenceServer
 
-        actor = ray.remote(num_cpus=0, max_concurrency=8)(InferenceServer)
+        actor = ray.remote(num_cpus=0, max_concurrency=8)(InferenceServer)  # type: ignore[call-overload]
         globals()["InferenceActor"] = actor
         return actor
     if name == "InferenceServer":

@@ -39,5 +39,5 @@ def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dic
         kwargs["enforce_eager"] = True
     kwargs.update(llm_kwargs)
     logger.info("starting vLLM engine for %s (tp=%s, dtype=%s)", model, tensor_parallel_size, dtype)
-    return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+    return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,  # type: ignore[arg-type]
                worker_extension_cls=WORKER_EXTENSION, **kwargs)

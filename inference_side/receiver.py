@@ -116,7 +116,7 @@ class SyncReceiver:
     def _run(self) -> None:
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx: Any = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

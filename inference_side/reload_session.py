@@ -95,7 +95,7 @@ class ReloadSession:
             initialize_layerwise_reload(self.model)
         self._begun = True
         for path, module in self.model.named_modules():
-            for pname, param in module._parameters.items():
+            for _pname, param in module._parameters.items():
                 if param is not None:
                     self._param_owner[id(param)] = path
         if self.router:

@@ -32,7 +32,7 @@ if __name__ == "__main__":
                             SamplingParams(max_tokens=a.max_tokens, temperature=0.0, logprobs=1, detokenize=False),
                             use_tqdm=False)
         results[model] = [{"token_ids": list(o.outputs[0].token_ids),
-                           "logprobs": [s[t].logprob for t, s in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+                           "logprobs": [s[t].logprob for t, s in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]}
                           for o in outs]
         del llm
         import gc

@@ -73,7 +73,7 @@ class WeightPublisher:
         self.config = config if isinstance(config, BridgeConfig) else load_config(config)
         self.transport = transport or self.config.transport.kind
         self.name = name or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._curve_public = curve_server_public if curve_server_public is not None else self.config.transport.curve_server_public
         self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
         self._poller = zmq.Poller()

@@ -33,3 +33,4 @@ class SendPlane(ABC):
 
     def release(self) -> None:
         """Free everything held for the last update (called once every receiver answered)."""
+        return None  # noqa: B027 - optional hook; most planes hold nothing
