@@ -21,6 +21,7 @@ lint: setup
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 
 test: lint
+	bash scripts/setup_system.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 unit: setup
