@@ -2,6 +2,8 @@
 
 ``python -m trainer_side.job --endpoint tcp://127.0.0.1:PORT --kind tiny --seed 2 --version 2``
 prints one JSON line per published version. Used by the demo, the tests and the benchmark.
+Each version carries the parity probe (the trainer's float32 log-probabilities of fixed sequences,
+``trainer_side/probe.py``) unless ``--no-probe``; each engine's line then reports the mismatch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from bridge.config import load_config
 from bridge.errors import BridgeError
 from bridge.tiny_models import build_model, save_checkpoint
+from trainer_side.probe import build_probe
 from trainer_side.publisher import PublishReport, WeightPublisher
 
 
@@ -28,6 +31,7 @@ class TrainerArgs:
     save_dir: str | None
     config: str | None
     transport: str | None
+    probe: bool = True
 
 
 def report_line(report: PublishReport) -> dict[str, Any]:
@@ -39,7 +43,9 @@ def report_line(report: PublishReport) -> dict[str, Any]:
         "gbps": report.gbps,
         "engines": [{"endpoint": e.endpoint, "ok": e.ok, "verified": e.verified, "reason": e.reason, "noop": e.noop,
                      "stale": e.engine.get("stale_tensors", []), "identity": e.engine.get("identity_violations", []),
-                     "routed_sinks": e.engine.get("routed_sinks", 0), "routed_bypass": e.engine.get("routed_bypass", 0)}
+                     "routed_sinks": e.engine.get("routed_sinks", 0), "routed_bypass": e.engine.get("routed_bypass", 0),
+                     "probe_mean_abs_logprob_diff": e.engine.get("probe_mean_abs_logprob_diff"),
+                     "probe_kl": e.engine.get("probe_kl"), "probe_flagged": bool(e.engine.get("probe_flagged"))}
                     for e in report.engines],
     }
 
@@ -54,7 +60,8 @@ def run(args: TrainerArgs) -> int:
             if args.save_dir:
                 save_checkpoint(model, Path(args.save_dir) / f"v{version}")
             try:
-                line = report_line(pub.publish(model.named_parameters(), version=version))
+                probe = build_probe(model) if args.probe else None
+                line = report_line(pub.publish(model.named_parameters(), version=version, probe=probe))
             except BridgeError as exc:
                 line = {"version": version, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 status = 1
@@ -71,8 +78,11 @@ def parse(argv: list[str] | None = None) -> TrainerArgs:
     p.add_argument("--save-dir", help="also save each published version as a checkpoint here")
     p.add_argument("--config", help="config YAML (default: configs/default.yaml)")
     p.add_argument("--transport", help="zmq or shm (default: from config)")
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="send the parity probe (trainer's float32 logprobs of fixed sequences) with each version")
     a = p.parse_args(argv)
-    return TrainerArgs(tuple(a.endpoint), a.kind, tuple(a.seed), a.version, a.save_dir, a.config, a.transport)
+    return TrainerArgs(tuple(a.endpoint), a.kind, tuple(a.seed), a.version, a.save_dir, a.config, a.transport,
+                       a.probe)
 
 
 def main(argv: list[str] | None = None) -> int:
