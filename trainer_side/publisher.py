@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge import wire
+from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
 from bridge.transports import send_plane
@@ -61,6 +62,7 @@ class _Peer:
     credit: int = 0
     ack: wire.Ack | None = None
     last_heard: float = 0.0
+    monitor: Any = None  # ZMQ monitor socket reporting failed security handshakes
 
 
 class WeightPublisher:
@@ -75,6 +77,7 @@ class WeightPublisher:
         self.name = name or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._ctx: Any = zmq.Context.instance()
         self._curve_public = curve_server_public if curve_server_public is not None else self.config.transport.curve_server_public
+        self._current = 0  # version being published
         self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
         self._poller = zmq.Poller()
         for peer in self._peers:
@@ -91,12 +94,32 @@ class WeightPublisher:
             sock.curve_serverkey = self._curve_public.encode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         sock.connect(endpoint)
-        return _Peer(endpoint, sock)
+        return _Peer(endpoint, sock, monitor=monitor)
 
     def close(self) -> None:
         for peer in self._peers:
+            peer.socket.disable_monitor()
+            peer.monitor.close(0)
             peer.socket.close(0)
+
+    @staticmethod
+    def _handshake_failure(peer: _Peer) -> str:
+        """Why the security handshake with ``peer`` failed, if it did (empty string otherwise)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        why = ""
+        while peer.monitor.poll(0):
+            event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                why = ("security mechanisms differ (CURVE on one side only): set transport.curve_server_public "
+                       "to the engine's CURVE public key")
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                why = "CURVE authentication failed: wrong server key, or this publisher is not authorised"
+        return why
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -123,6 +146,9 @@ class WeightPublisher:
                 msg = wire.decode(frames[0])
                 if isinstance(msg, wire.EngineInfo):
                     peer.info = msg
+                elif isinstance(msg, wire.Credit | wire.Ack) and msg.version not in (0, self._current):
+                    # late answer to an earlier, abandoned update (delivered after a reconnect): not ours
+                    logger.debug("ignoring %s for version %s while publishing %s", msg.type, msg.version, self._current)
                 elif isinstance(msg, wire.Credit):
                     peer.credit += msg.n
                 elif isinstance(msg, wire.Ack):
@@ -141,7 +167,14 @@ class WeightPublisher:
         todo = [p for p in self._peers if p.info is None]
         for peer in todo:
             self._send(peer, wire.Hello(publisher=self.name))
-        self._wait(lambda p: p.info is not None or p.ack is not None, self.config.deadlines.connect_s, "connect", todo)
+        try:
+            self._wait(lambda p: p.info is not None or p.ack is not None, self.config.deadlines.connect_s, "connect", todo)
+        except DeadlineExceeded as exc:
+            refused = {p.endpoint: why for p in todo if p.info is None and (why := self._handshake_failure(p))}
+            if refused:
+                detail = "; ".join(f"{ep}: {why}" for ep, why in refused.items())
+                raise TransportError(f"connection refused by {len(refused)} engine(s): {detail}") from exc
+            raise
         for peer in todo:
             if peer.ack is not None and not peer.ack.ok:
                 raise TransportError(f"{peer.endpoint} refused the connection: {peer.ack.reason}")
@@ -151,6 +184,7 @@ class WeightPublisher:
                 probe: wire.ProbeSpec | None = None) -> PublishReport:
         """Send one version to every engine; return after each applied it, raise UpdateFailed otherwise."""
         t_start = time.perf_counter()
+        self._current = version
         self._hello()
         dtypes = {p.info.dtype for p in self._peers if p.info}
         if len(dtypes) != 1:
@@ -159,7 +193,7 @@ class WeightPublisher:
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
-                                 publisher=self.name, transport=self.transport, probe=probe)
+                                 publisher=self.name, transport=self.transport, probe=probe, checksum=preferred_checksum())
         plane = send_plane(self.transport)
         for peer in self._peers:
             peer.credit, peer.ack = 0, None
@@ -172,7 +206,7 @@ class WeightPublisher:
             for index, size in enumerate(plan.bucket_sizes):
                 t0 = time.perf_counter()
                 buffer = plane.allocate(index, size)
-                sums = pack_bucket(plan, tensors, index, buffer)
+                sums = pack_bucket(plan, tensors, index, buffer, checksum=manifest.checksum)
                 out = plane.seal(index, buffer)
                 seconds["pack"] += time.perf_counter() - t0
                 header = wire.BucketHeader(version=version, index=index, checksums=tuple(sums), segment=out.segment)
