@@ -142,6 +142,7 @@ class Manifest:
     transport: str = "zmq"
     probe: ProbeSpec | None = None
     protocol: int = PROTOCOL_VERSION
+    checksum: str = "crc32"  # algorithm of every BucketHeader.checksums entry (see bridge/checksums.py)
 
     @property
     def total_bytes(self) -> int:
@@ -162,6 +163,7 @@ class Manifest:
             "bucket_sizes": list(self.bucket_sizes),
             "tensors": [t.to_wire() for t in self.tensors],
             "probe": self.probe.to_wire() if self.probe else None,
+            "checksum": self.checksum,
         }
 
     @classmethod
@@ -181,7 +183,9 @@ class Manifest:
             publisher=_str(raw.get("publisher", ""), "manifest.publisher", 256),
             transport=_str(raw.get("transport", "zmq"), "manifest.transport", 32),
             probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
+            checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
         )
+        _require(manifest.checksum in ("crc32", "crc32c"), f"unknown checksum algorithm {manifest.checksum!r} (known: crc32, crc32c)")
         manifest.check_layout()
         return manifest
 
@@ -239,7 +243,7 @@ class Begin:
 class BucketHeader:
     """Announces bucket ``index``; its bytes follow as the next frame or, for shm, lie in ``segment``.
 
-    ``checksums`` holds the zlib.crc32 of each tensor of the bucket, in manifest order: the manifest's
+    ``checksums`` holds the checksum (the manifest's algorithm, zlib.crc32 unless it names another) of each tensor of the bucket, in manifest order: the manifest's
     checksums travel with their bucket so that packing bucket k+1 overlaps sending bucket k.
     """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,12 +62,16 @@ class _Session:
         self.buckets.clear()
 
 
-def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str) -> None:
-    """Checksums of every tensor in a bucket and, under the reject policy, finiteness of floats."""
+def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str,
+                  checksum: str = "crc32") -> None:
+    """Checksums (algorithm ``checksum``) of every tensor in a bucket and, under the reject policy, finiteness of floats."""
+    from bridge.checksums import function
+
+    crc = function(checksum)
     if len(checksums) != len(specs):
         raise WireError(f"bucket {specs[0].bucket if specs else '?'}: {len(checksums)} checksums for {len(specs)} tensors")
     for spec, expected in zip(sorted(specs, key=lambda s: s.offset), _by_offset(specs, checksums), strict=True):
-        got = zlib.crc32(view[spec.offset : spec.offset + spec.nbytes])
+        got = crc(view[spec.offset : spec.offset + spec.nbytes])
         if got != expected:
             raise ChecksumError(f"tensor {spec.name}: checksum mismatch (got {got:#010x}, manifest says {expected:#010x})")
         if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
@@ -236,7 +239,7 @@ class SyncReceiver:
             session.buckets[header.index] = StagedBucket(header.index, segment, specs)
             session.bytes_in += size
             if self.config.sync.verify_checksums:
-                verify_bucket(segment.buffer, specs, header.checksums, self.config.sync.nonfinite)
+                verify_bucket(segment.buffer, specs, header.checksums, self.config.sync.nonfinite, m.checksum)
         except BridgeError as exc:
             self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
             return

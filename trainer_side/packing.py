@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,10 +68,14 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 def pack_bucket(plan: PackPlan, tensors: list[Any], index: int, out: Any,
-                transform: Callable[[str, Any], Any] | None = None) -> list[int]:
+                transform: Callable[[str, Any], Any] | None = None, checksum: str = "crc32") -> list[int]:
     """Copy the tensors of bucket ``index`` into ``out`` (a uint8 torch tensor of the bucket's size)
-    and return the checksum of each tensor's bytes as written, in manifest order."""
+    and return the checksum (algorithm ``checksum``) of each tensor's bytes as written, in manifest order."""
     import torch
+
+    from bridge.checksums import function
+
+    crc = function(checksum)
 
     sums = []
     for i in plan.bucket_members(index):
@@ -84,7 +87,7 @@ def pack_bucket(plan: PackPlan, tensors: list[Any], index: int, out: Any,
         if place.nbytes:
             target = getattr(torch, plan.dtypes[i])
             dst.view(target).view(src.shape).copy_(src)
-        sums.append(zlib.crc32(memoryview(dst.numpy())) if place.nbytes else 0)
+        sums.append(crc(memoryview(dst.numpy())) if place.nbytes else 0)
     return sums
 
 
