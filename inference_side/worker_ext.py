@@ -107,6 +107,27 @@ class WeightSyncWorker:
         report["worker_seconds"] = time.perf_counter() - t0
         return report
 
+    # ---- benchmark baseline ---------------------------------------------------------------------
+    def wb_baseline_reload(self, seed: int) -> dict[str, Any]:
+        """The benchmark's baseline B: vLLM's own in-process ``reload_weights`` from a list of tensors
+        that already sit in this worker (made here from ``seed``, untimed). Returns the reload's seconds."""
+        import torch
+
+        from bridge.checkpoint import read_tensor_table
+
+        table = read_tensor_table(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        dtype = _torch_dtype(self.vllm_config.model_config.dtype.__str__().removeprefix("torch."))  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(seed)
+        tensors = []
+        for name, entry in table.items():
+            noise = torch.randn(entry.shape, generator=gen, dtype=torch.float32)
+            value = 1.0 + 0.1 * noise if "norm" in name and len(entry.shape) == 1 else 0.05 * noise
+            tensors.append((name, value.to(dtype if entry.dtype in ("bfloat16", "float16", "float32") else _torch_dtype(entry.dtype))))
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        t0 = time.perf_counter()
+        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
+
     # ---- inspection (tests, health) -------------------------------------------------------------
     def wb_read(self, paths: list[str]) -> dict[str, list[float]]:
         """This rank's live values of the given parameters (vLLM names), as floats."""

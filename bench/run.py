@@ -1,0 +1,318 @@
+"""``python -m bench.run [--quick] [--models 50m,350m,1b] [--reps N]``: the benchmark of issue 4.
+
+For each synthetic model it starts one engine and one trainer process and measures, in the same run:
+``bridge`` per transport and sync mode (end to end: tensors in the trainer process -> every engine's
+verified ack), ``baseline_a`` (save_pretrained + ``reload_weights(weights_path)``), ``baseline_b`` (vLLM's
+in-process ``reload_weights`` from tensors already in the worker), ``limit`` (bytes / torch copy
+bandwidth measured now) and, on the smallest model, 1/2/4 receivers. Medians; ratios are the verdict.
+Writes ``bench/results/latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.memory import peak_growth, reset_peaks
+
+logger = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CHECKPOINT_SEED = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    models: tuple[str, ...]
+    transports: tuple[str, ...]
+    modes: tuple[str, ...]
+    reps: int
+    receivers: tuple[int, ...]
+    bucket_mb: float
+    out: Path
+
+
+def parse(argv: list[str] | None) -> Plan:
+    p = argparse.ArgumentParser(prog="bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the 50m model only, 3 repetitions, receivers 1 and 2")
+    p.add_argument("--models", default="50m,350m,1b", help="comma-separated presets of bridge.tiny_models")
+    p.add_argument("--transports", default="zmq,shm")
+    p.add_argument("--modes", default="staged,streaming")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--receivers", default="1,2,4", help="receiver counts measured on the smallest model")
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--out", default=str(RESULTS / "latest.json"))
+    a = p.parse_args(argv)
+    models = ("50m",) if a.quick else tuple(a.models.split(","))
+    reps = 3 if a.quick else a.reps
+    receivers = (1, 2) if a.quick and a.receivers == "1,2,4" else tuple(int(x) for x in a.receivers.split(","))
+    return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out))
+
+
+# ---- the trainer process ------------------------------------------------------------------------
+
+class Trainer:
+    def __init__(self, kind: str, seed: int) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.trainer", "--kind", kind, "--seed", str(seed)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.bytes = int(self._read()["bytes"])
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("BENCH "):
+                return dict(json.loads(line[6:]))
+        raise RuntimeError(f"bench trainer exited (rc={self.proc.wait()})")
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="quit")
+            except (RuntimeError, BrokenPipeError):
+                pass
+            self.proc.wait(30)
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
+    """Bytes per second of a torch copy of ``nbytes`` (capped at 512 MiB) in this process."""
+    import torch
+
+    n = min(nbytes, 512 << 20)
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return n / statistics.median(times)
+
+
+class Engines:
+    def __init__(self, ckpt: Path, count: int) -> None:
+        import ray
+
+        from bench.engine import bench_actor
+
+        self.actors = [bench_actor().remote(model=str(ckpt), tensor_parallel_size=1, dtype="bfloat16") for _ in range(count)]
+        self.endpoints = [ray.get(a.endpoint.remote(), timeout=900) for a in self.actors]
+        self.pids = [p for a in self.actors for p in ray.get(a.pids.remote())]
+
+    def add(self, ckpt: Path, count: int) -> None:
+        import ray
+
+        from bench.engine import bench_actor
+
+        new = [bench_actor().remote(model=str(ckpt), tensor_parallel_size=1, dtype="bfloat16") for _ in range(count)]
+        self.endpoints += [ray.get(a.endpoint.remote(), timeout=900) for a in new]
+        self.pids += [p for a in new for p in ray.get(a.pids.remote())]
+        self.actors += new
+
+    def set_mode(self, mode: str, bucket_mb: float) -> None:
+        import ray
+
+        ray.get([a.set_config.remote(_config(mode, bucket_mb)) for a in self.actors])
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=60)
+            finally:
+                ray.kill(a)
+
+
+def _config(mode: str, bucket_mb: float) -> dict[str, Any]:
+    return {"sync": {"mode": mode}, "transport": {"bucket_mb": bucket_mb}}
+
+
+class Versions:
+    def __init__(self) -> None:
+        self.v = 1
+
+    def next(self) -> int:
+        self.v += 1
+        return self.v
+
+
+def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str, plan: Plan, versions: Versions,
+                   count: int | None = None) -> dict[str, Any]:
+    endpoints = engines.endpoints[: count or len(engines.endpoints)]
+    pids = engines.pids if count is None or count == len(engines.endpoints) else []
+    engines.set_mode(mode, plan.bucket_mb)
+    config = _config(mode, plan.bucket_mb)
+    warm = trainer.ask(op="publish", endpoints=endpoints, transport=transport, version=versions.next(), config=config)
+    if not warm.get("ok"):
+        raise RuntimeError(f"bridge {transport}/{mode} failed: {warm}")
+    totals, phases, peaks = [], [], []
+    for _ in range(plan.reps):
+        before = reset_peaks(pids) if pids else {}
+        rep = trainer.ask(op="publish", endpoints=endpoints, transport=transport, version=versions.next(), config=config)
+        if not rep.get("ok") or not all(e["verified"] for e in rep["engines"]):
+            raise RuntimeError(f"bridge {transport}/{mode} failed or unverified: {rep}")
+        if before:
+            peaks.append(peak_growth(before))
+        totals.append(rep["seconds"]["total"])
+        phases.append(rep["seconds"])
+    keys = sorted({k for p in phases for k in p})
+    return {
+        "bridge": statistics.median(totals),
+        "bridge_all": totals,
+        "phases": {k: statistics.median([p.get(k, 0.0) for p in phases]) for k in keys},
+        "peak_rss_growth_bytes": max(peaks) if peaks else None,
+    }
+
+
+def measure_baselines(trainer: Trainer, engines: Engines, plan: Plan, workdir: Path, versions: Versions) -> dict[str, Any]:
+    import ray
+
+    actor = engines.actors[0]
+    a_totals, a_save, a_reload = [], [], []
+    for i in range(plan.reps + 1):
+        target = workdir / f"baseline-a-{versions.next()}"
+        save = float(trainer.ask(op="save", dir=str(target))["seconds"])
+        reload = float(ray.get(actor.baseline_a_reload.remote(str(target))))
+        if i:  # the first round warms the page cache and the loader
+            a_totals.append(save + reload)
+            a_save.append(save)
+            a_reload.append(reload)
+    b = [float(ray.get(actor.baseline_b.remote(100 + i))) for i in range(plan.reps + 1)][1:]
+    return {"baseline_a": statistics.median(a_totals), "baseline_a_save": statistics.median(a_save),
+            "baseline_a_reload": statistics.median(a_reload), "baseline_b": statistics.median(b),
+            "baseline_a_all": a_totals, "baseline_b_all": b}
+
+
+def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[str, Any]]:
+    from bridge.tiny_models import make_checkpoint
+
+    t0 = time.perf_counter()
+    ckpt = make_checkpoint(kind, workdir / f"{kind}-ckpt", CHECKPOINT_SEED)
+    trainer = Trainer(kind, seed=7)
+    engines = Engines(ckpt, 1)
+    rows: list[dict[str, Any]] = []
+    versions = Versions()
+    try:
+        bw = copy_bandwidth(trainer.bytes)
+        limit = trainer.bytes / bw
+        base = measure_baselines(trainer, engines, plan, workdir, versions)
+        for transport in plan.transports:
+            for mode in plan.modes:
+                logger.info("%s: bridge over %s (%s)", kind, transport, mode)
+                m = measure_bridge(trainer, engines, transport, mode, plan, versions)
+                rows.append({"model": kind, "transport": transport, "mode": mode, "receivers": 1, "bytes": trainer.bytes,
+                             "limit": limit, "copy_gbps": bw / 1e9, **base, **m})
+        if scaling:
+            best = min((r for r in rows if r["receivers"] == 1), key=lambda r: r["bridge"])
+            for count in plan.receivers:
+                if count <= 1:
+                    continue
+                engines.add(ckpt, count - len(engines.actors))
+                m = measure_bridge(trainer, engines, best["transport"], best["mode"], plan, versions)
+                rows.append({"model": kind, "transport": best["transport"], "mode": best["mode"], "receivers": count,
+                             "bytes": trainer.bytes, "limit": limit, "copy_gbps": bw / 1e9, **base, **m})
+    finally:
+        trainer.close()
+        engines.close()
+    logger.info("%s done in %.0fs", kind, time.perf_counter() - t0)
+    return rows
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def add_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    row["bridge_over_baseline_b"] = row["bridge"] / row["baseline_b"]
+    row["baseline_a_over_bridge"] = row["baseline_a"] / row["bridge"]
+    row["bridge_over_limit"] = row["bridge"] / row["limit"]
+    row["bridge_gbps"] = row["bytes"] / row["bridge"] / 1e9
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'model':>6} {'transport':>9} {'mode':>9} {'recv':>4} {'MB':>7} {'bridge s':>9} {'A s':>7} {'B s':>7} "
+            f"{'limit s':>8} {'bridge/B':>8} {'A/bridge':>8} {'br/limit':>8} {'GB/s':>6} {'peakMB':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        peak = r.get("peak_rss_growth_bytes")
+        lines.append(
+            f"{r['model']:>6} {r['transport']:>9} {r['mode']:>9} {r['receivers']:>4} {r['bytes'] / 1e6:>7.0f} "
+            f"{r['bridge']:>9.3f} {r['baseline_a']:>7.3f} {r['baseline_b']:>7.3f} {r['limit']:>8.3f} "
+            f"{r['bridge_over_baseline_b']:>8.2f} {r['baseline_a_over_bridge']:>8.2f} {r['bridge_over_limit']:>8.1f} "
+            f"{r['bridge_gbps']:>6.2f} {'' if peak is None else f'{peak / 1e6:.0f}':>7}")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for model in sorted({r["model"] for r in rows}, key=lambda m: rows[[x["model"] for x in rows].index(m)]["bytes"]):
+        single = [r for r in rows if r["model"] == model and r["receivers"] == 1]
+        best = min(single, key=lambda r: r["bridge"])
+        out.append(f"{model}: fastest {best['transport']}/{best['mode']}: bridge/B={best['bridge_over_baseline_b']:.2f} "
+                   f"(goal <= 1.25), A/bridge={best['baseline_a_over_bridge']:.2f} (goal >= 3)")
+        scale = sorted((r for r in rows if r["model"] == model and r["transport"] == best["transport"]
+                        and r["mode"] == best["mode"]), key=lambda r: r["receivers"])
+        if len(scale) > 1:
+            out.append(f"{model}: receivers " + ", ".join(f"{r['receivers']}: {r['bridge'] / scale[0]['bridge']:.2f}x" for r in scale)
+                       + " (goal: 4 receivers <= 1.5x)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    plan = parse(argv)
+    import ray
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}})
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    try:
+        with tempfile.TemporaryDirectory(prefix="wb-bench-") as tmp:
+            smallest = plan.models[0]
+            for kind in plan.models:
+                rows += run_model(kind, plan, Path(tmp), scaling=kind == smallest and len(plan.receivers) > 1)
+    finally:
+        ray.shutdown()
+    rows = [add_ratios(r) for r in rows]
+    print(table(rows))
+    for line in verdict(rows):
+        print(line)
+    by_model: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["receivers"] == 1:
+            by_model.setdefault(r["model"], {})[f"{r['transport']}/{r['mode']}"] = {
+                k: r[k] for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes")}
+    result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
+              "host": platform.node(), "cpus": os.cpu_count(), "reps": plan.reps, "bucket_mb": plan.bucket_mb,
+              "models": by_model, "rows": rows, "verdict": verdict(rows)}
+    plan.out.parent.mkdir(parents=True, exist_ok=True)
+    plan.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {plan.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
