@@ -66,16 +66,11 @@ _ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
 
 def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
     """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (one subprocess)."""
-    todo = [m for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
+    from bridge.coldload import cold_outputs
+
+    todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
     if todo:
-        cmd = [sys.executable, str(ROOT / "tests" / "oracle.py"), "--tp", str(tp), "--dtype", dtype,
-               "--prompts", json.dumps(prompts)]
-        for m in todo:
-            cmd += ["--model", str(m)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=900)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("ORACLE ")), None)
-        assert line, f"oracle failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
-        for model, outs in json.loads(line[len("ORACLE "):]).items():
+        for model, outs in cold_outputs(todo, tp, dtype, prompts, env=child_env()).items():
             _ORACLE_CACHE[(model, tp, dtype)] = outs
     return [_ORACLE_CACHE[(str(m), tp, dtype)] for m in models]
 

@@ -1,0 +1,77 @@
+"""A plain vLLM engine cold-loaded from a checkpoint, with no weight-bridge code in it.
+
+The reference every update is compared against: ``python -m bridge.coldload --model DIR --tp 1
+--dtype bfloat16 --prompts '[[1,2,3]]'`` prints ``COLD {json}`` (greedy tokens and per-token logprobs
+per model) on its last line. Run as its own process: vLLM spawns workers and needs the main guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from bridge.errors import BridgeError
+
+MARK = "COLD "
+
+
+class ColdLoadError(BridgeError):
+    """The reference engine could not be started or produced no output."""
+
+
+def cold_outputs(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_tokens: int = 8,
+                 env: dict[str, str] | None = None, timeout_s: float = 900) -> dict[str, list[dict[str, Any]]]:
+    """Greedy outputs of an engine cold-loaded from each model directory (one subprocess for all)."""
+    cmd = [sys.executable, "-m", "bridge.coldload", "--tp", str(tp), "--dtype", dtype,
+           "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens)]
+    for m in models:
+        cmd += ["--model", m]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
+    if line is None:
+        raise ColdLoadError(f"cold-loaded engine failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, list[dict[str, Any]]] = json.loads(line[len(MARK):])
+    return result
+
+
+def _run(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    import gc
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
+    results = {}
+    for model in models:
+        llm = LLM(model=model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,  # type: ignore[arg-type]
+                  max_model_len=256, max_num_seqs=8, enforce_eager=True)
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)  # type: ignore[arg-type, misc]
+        results[model] = [{"token_ids": list(o.outputs[0].token_ids),
+                           "logprobs": [s[t].logprob for t, s in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
+                                        if s is not None]}
+                          for o in outs]
+        del llm
+        gc.collect()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bridge.coldload", description=__doc__)
+    p.add_argument("--model", action="append", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--max-tokens", type=int, default=8)
+    a = p.parse_args(argv)
+    print(MARK + json.dumps(_run(a.model, a.tp, a.dtype, json.loads(a.prompts), a.max_tokens)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
