@@ -52,6 +52,8 @@ class _Session:
     last_seen: float
     buckets: dict[int, StagedBucket] = field(default_factory=dict)
     pending: Future[ApplyResult] | None = None
+    apply_started: float = 0.0
+    overdue: bool = False  # the publisher was told the apply deadline passed; no second ack
     last_ping: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
@@ -114,6 +116,12 @@ class SyncReceiver:
         if self._thread is not None:
             self._thread.join(10)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Open update sessions: version, buckets staged so far, bytes in, whether applying."""
+        return [{"version": s.manifest.version, "staged": len(s.buckets), "buckets": len(s.manifest.bucket_sizes),
+                 "bytes": s.bytes_in, "applying": s.pending is not None}
+                for s in list(self._sessions.values())]
 
     # ---- loop --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -257,6 +265,7 @@ class SyncReceiver:
             return
         session.timings["transfer"] = time.monotonic() - session.started
         buckets = [session.buckets[i] for i in sorted(session.buckets)]
+        session.apply_started = time.monotonic()
         session.pending = self._executor.submit(self.gate.apply, session.manifest, buckets, session.timings)
 
     def _tick(self, sock: Any) -> None:
@@ -274,7 +283,19 @@ class SyncReceiver:
                     session.close()
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
-                    self._send(sock, identity, wire.Ack(version=version, ok=result.ok, reason=result.reason, report=report))
+                    if not session.overdue:
+                        self._send(sock, identity, wire.Ack(version=version, ok=result.ok, reason=result.reason, report=report))
+                elif session.overdue:
+                    continue
+                elif now - session.apply_started > deadlines.apply_s + deadlines.verify_s:
+                    # A running apply cannot be interrupted safely; the publisher is released with a clear
+                    # error and the engine finishes or fails the update on its own (see its records).
+                    session.overdue = True
+                    reason = (f"DeadlineExceeded: apply of version {version} still running after "
+                              f"{deadlines.apply_s + deadlines.verify_s:.1f}s (deadlines.apply_s + deadlines.verify_s)")
+                    logger.warning("%s", reason)
+                    self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
+                    self.on_event("timeout", {"version": version, "reason": reason})
                 elif now - session.last_ping >= deadlines.heartbeat_s:
                     session.last_ping = now
                     self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))

@@ -1,0 +1,239 @@
+"""Issue 6, deadlines on every phase and back-pressure, at the transport level: a real publisher and a
+real receiver (or a raw ZMQ peer where a misbehaving engine is needed) over real sockets; the engine
+behind the receiver is a small in-process gate, since no model is involved."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from bridge import wire
+from bridge.config import BridgeConfig, config_from_dict
+from bridge.errors import DeadlineExceeded, UpdateFailed
+from inference_side import receiver as receiver_mod
+from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from tests.rawclient import RawClient
+from trainer_side import WeightPublisher
+
+# 12 tensors of 4 KiB in 4 KiB buckets: 12 buckets
+WEIGHTS = [(f"model.layers.{i}.mlp.weight", torch.full((2048,), float(i), dtype=torch.bfloat16)) for i in range(12)]
+SMALL = {"transport": {"bucket_mb": 4096 / 2**20, "depth": 2}}
+
+
+def cfg(**deadlines: float) -> BridgeConfig:
+    return config_from_dict({**SMALL, "deadlines": {"heartbeat_s": 0.2, **deadlines}})
+
+
+class Gate:
+    def __init__(self, apply_s: float = 0.0) -> None:
+        self.apply_s = apply_s
+        self.applied: list[int] = []
+
+    def info(self) -> wire.EngineInfo:
+        return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq",), host="test")
+
+    def validate(self, manifest: wire.Manifest) -> str | None:
+        return None
+
+    def apply(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult:
+        time.sleep(self.apply_s)
+        self.applied.append(manifest.version)
+        return ApplyResult(True)
+
+
+@pytest.fixture
+def start_receiver() -> Iterator[Any]:
+    made: list[SyncReceiver] = []
+
+    def start(config: BridgeConfig, gate: Gate, events: list[tuple[str, dict[str, Any]]] | None = None) -> SyncReceiver:
+        rx = SyncReceiver(gate, config, on_event=(lambda k, d: events.append((k, d))) if events is not None else None)
+        rx.start()
+        made.append(rx)
+        return rx
+
+    yield start
+    for rx in made:
+        rx.stop()
+
+
+class FakeEngine:
+    """A raw ROUTER peer: answers hello, grants ``credits`` at begin, then does only what the test says."""
+
+    def __init__(self, credits: int = 1) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.credits = credits
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            frames = self.sock.recv_multipart()
+            msg = wire.decode(frames[1])
+            self.seen.append(msg.type)
+            if isinstance(msg, wire.Hello):
+                self.sock.send_multipart([frames[0], wire.encode(Gate().info())])
+            elif isinstance(msg, wire.Begin) and self.credits:
+                self.sock.send_multipart([frames[0], wire.encode(wire.Credit(version=msg.manifest.version, n=self.credits))])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- deadlines, publisher side -------------------------------------------------------------------
+
+def test_connect_deadline() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens
+    with WeightPublisher([endpoint], config=cfg(connect_s=1)) as pub:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match=rf"connect: no answer within 1.0s from \['{endpoint}'\]"):
+            pub.publish(WEIGHTS, version=1)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(("credits", "phase"), [(0, "manifest"), (1, "bucket 1")])
+def test_manifest_and_bucket_deadlines(credits: int, phase: str) -> None:
+    """An engine that never grants (more) credit: the publisher gives up at the phase's deadline and aborts."""
+    engine = FakeEngine(credits=credits)
+    try:
+        with WeightPublisher([engine.endpoint], config=cfg(manifest_s=1, bucket_s=1)) as pub:
+            t0 = time.monotonic()
+            with pytest.raises(UpdateFailed) as info:
+                pub.publish(WEIGHTS, version=7)
+            took = time.monotonic() - t0
+        reason = info.value.reasons[engine.endpoint]
+        assert reason == f"DeadlineExceeded: {phase}: no answer within 1.0s from ['{engine.endpoint}']", reason
+        assert took < 5
+        time.sleep(0.2)
+        assert engine.seen[-1] == "abort", engine.seen  # the engine is told to drop the update
+        assert engine.seen.count("bucket") == credits
+    finally:
+        engine.close()
+
+
+def test_ack_deadline(start_receiver: Any) -> None:
+    """The engine applies for longer than the publisher's ack deadline (heartbeats keep coming)."""
+    rx = start_receiver(cfg(), Gate(apply_s=3.0))
+    with WeightPublisher([rx.endpoint], config=cfg(ack_s=1)) as pub:
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed) as info:
+            pub.publish(WEIGHTS, version=1)
+    assert info.value.reasons[rx.endpoint] == "DeadlineExceeded: apply: no acknowledgement within 1.0s"
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_silent_engine_presumed_dead() -> None:
+    """Takes every bucket, then neither acks nor heartbeats: dead, found within max(3 heartbeats, 5 s)."""
+    engine = FakeEngine(credits=100)
+    try:
+        with WeightPublisher([engine.endpoint], config=cfg()) as pub:
+            t0 = time.monotonic()
+            with pytest.raises(UpdateFailed) as info:
+                pub.publish(WEIGHTS, version=1)
+            took = time.monotonic() - t0
+    finally:
+        engine.close()
+    assert "no heartbeat): presumed dead" in info.value.reasons[engine.endpoint]
+    assert 5 <= took < 8
+
+
+# ---- deadlines, receiver side --------------------------------------------------------------------
+
+def test_receiver_bucket_deadline_drops_session(start_receiver: Any) -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    gate = Gate()
+    rx = start_receiver(cfg(bucket_s=0.5), gate, events)
+    client = RawClient(rx.endpoint, identity=b"stalls")
+    try:
+        spec = wire.TensorSpec("model.norm.weight", "bfloat16", (8,), 0, 0, 16)
+        client.send(wire.Begin(wire.Manifest(version=3, tensors=(spec,), bucket_sizes=(16,))))
+        client.until(wire.Credit, timeout=5)
+        assert rx.summary() == [{"version": 3, "staged": 0, "buckets": 1, "bytes": 0, "applying": False}]
+        deadline = time.monotonic() + 5
+        while rx.summary() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.close()
+    assert rx.summary() == []
+    assert events == [("timeout", {"version": 3, "reason": "no data for 0.5s"})]
+    assert gate.applied == []
+
+
+def test_receiver_apply_deadline(start_receiver: Any) -> None:
+    """An apply running past apply_s + verify_s releases the publisher with a clear error."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    rx = start_receiver(cfg(apply_s=0.5, verify_s=0.5), Gate(apply_s=3.0), events)
+    with WeightPublisher([rx.endpoint], config=cfg()) as pub:
+        t0 = time.monotonic()
+        with pytest.raises(UpdateFailed) as info:
+            pub.publish(WEIGHTS, version=4)
+    assert info.value.reasons[rx.endpoint] == ("DeadlineExceeded: apply of version 4 still running after 1.0s "
+                                              "(deadlines.apply_s + deadlines.verify_s)")
+    assert time.monotonic() - t0 < 2.5
+    deadline = time.monotonic() + 5
+    while not events and time.monotonic() < deadline:  # the event is recorded just after the ack goes out
+        time.sleep(0.05)
+    assert [k for k, _ in events] == ["timeout"]
+
+
+# ---- back-pressure ---------------------------------------------------------------------------------
+
+def test_slow_receiver_back_pressure(start_receiver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that takes 0.1 s per bucket: the publisher never has more than transport.depth buckets
+    in flight (sent, credit not yet back), so nothing piles up in its queues or in the socket buffers."""
+    real_verify = receiver_mod.verify_bucket
+    real_decode = wire.decode
+    real_send = WeightPublisher._send
+    state = {"credits": 0, "sent": 0, "max_in_flight": 0}
+
+    def slow_verify(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.1)
+        real_verify(*args, **kwargs)
+
+    def counting_decode(data: Any, *args: Any, **kwargs: Any) -> Any:
+        msg = real_decode(data, *args, **kwargs)
+        if isinstance(msg, wire.Credit) and threading.current_thread().name != "wb-receiver":
+            state["credits"] += msg.n  # credits as the publisher receives them
+        return msg
+
+    def counting_send(self: WeightPublisher, peer: Any, msg: wire.Message, frames: tuple[Any, ...] = ()) -> None:
+        if isinstance(msg, wire.BucketHeader):
+            state["sent"] += 1
+            in_flight = state["sent"] - (state["credits"] - 2)  # the first 2 credits are the window itself
+            state["max_in_flight"] = max(state["max_in_flight"], in_flight)
+        real_send(self, peer, msg, frames)
+
+    monkeypatch.setattr(receiver_mod, "verify_bucket", slow_verify)
+    monkeypatch.setattr(wire, "decode", counting_decode)
+    monkeypatch.setattr(WeightPublisher, "_send", counting_send)
+    gate = Gate()
+    rx = start_receiver(cfg(), gate)
+    with WeightPublisher([rx.endpoint], config=cfg()) as pub:
+        t0 = time.monotonic()
+        report = pub.publish(WEIGHTS, version=1)
+        took = time.monotonic() - t0
+    assert report.ok and gate.applied == [1]
+    assert state["sent"] == 12
+    assert state["max_in_flight"] == 2, state  # transport.depth, never more
+    assert took >= 12 * 0.1  # the publisher waited for the slow receiver instead of queueing everything
