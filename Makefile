@@ -16,8 +16,8 @@ demo: setup
 	$(PY) -m bridge.cli demo $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check bridge trainer_side inference_side tests
-	$(VENV)/bin/mypy bridge trainer_side inference_side
+	$(VENV)/bin/ruff check bridge trainer_side inference_side bench examples tests
+	$(VENV)/bin/mypy bridge trainer_side inference_side bench
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 
 test: lint
