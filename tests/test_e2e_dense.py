@@ -116,51 +116,44 @@ def test_bad_input_refused_and_nothing_applied(dense: Any, case: str) -> None:
     assert generate(actor) == before
 
 
-def test_checksum_mismatch_names_tensor_and_nothing_applied(dense: Any) -> None:
+def _raw_bucket(actor: Any, identity: bytes, data: bytes, checksum: int, payload: bytes) -> wire.Ack:
+    """Begin a one-tensor update of model.norm.weight, send one bucket, return the engine's answer."""
+    import ray
+
+    endpoint = ray.get(actor.endpoint.remote())
+    version = ray.get(actor.version.remote()) + 1
+    client = RawClient(endpoint, identity=identity)
+    try:
+        client.send(wire.Begin(_manifest(version, [_norm_spec()], [len(data)])))
+        client.until(wire.Credit)
+        client.send(wire.BucketHeader(version=version, index=0, checksums=(checksum,)), payload)
+        ack: wire.Ack = client.until(wire.Ack)
+        return ack
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("checksum", "tensor model.norm.weight: checksum mismatch"),
+    ("truncated", "100 bytes arrived, manifest says 256 (truncated?)"),
+])
+def test_bad_bucket_refused_and_nothing_applied(dense: Any, case: str, expected: str) -> None:
     import ray
     import torch
 
     if dense["tp"] != 1:
         pytest.skip("checked on the receiver; one TP size suffices")
     actor = dense["actor"]
-    endpoint = ray.get(actor.endpoint.remote())
     version_before = ray.get(actor.version.remote())
     before = generate(actor)
     data = torch.full((128,), 3.0, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
-    client = RawClient(endpoint, identity=b"bad-checksum")
-    try:
-        client.send(wire.Begin(_manifest(version_before + 1, [_norm_spec()], [256])))
-        client.until(wire.Credit)
-        client.send(wire.BucketHeader(version=version_before + 1, index=0, checksums=(zlib.crc32(data) ^ 1,)), data)
-        ack = client.until(wire.Ack)
-    finally:
-        client.close()
+    if case == "checksum":
+        ack = _raw_bucket(actor, b"bad-checksum", data, zlib.crc32(data) ^ 1, data)
+    else:
+        ack = _raw_bucket(actor, b"bad-truncated", data, zlib.crc32(data), data[:100])
     assert not ack.ok
-    assert "tensor model.norm.weight: checksum mismatch" in ack.reason, ack.reason
+    assert expected in ack.reason, ack.reason
     assert ray.get(actor.version.remote()) == version_before
-    assert generate(actor) == before
-
-
-def test_truncated_bucket_refused(dense: Any) -> None:
-    import ray
-    import torch
-
-    if dense["tp"] != 1:
-        pytest.skip("checked on the receiver; one TP size suffices")
-    actor = dense["actor"]
-    endpoint = ray.get(actor.endpoint.remote())
-    version_before = ray.get(actor.version.remote())
-    before = generate(actor)
-    data = torch.ones(128, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
-    client = RawClient(endpoint, identity=b"bad-truncated")
-    try:
-        client.send(wire.Begin(_manifest(version_before + 1, [_norm_spec()], [256])))
-        client.until(wire.Credit)
-        client.send(wire.BucketHeader(version=version_before + 1, index=0, checksums=(zlib.crc32(data),)), data[:100])
-        ack = client.until(wire.Ack)
-    finally:
-        client.close()
-    assert not ack.ok and "100 bytes arrived, manifest says 256 (truncated?)" in ack.reason, ack.reason
     assert generate(actor) == before
 
 
