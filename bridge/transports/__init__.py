@@ -7,7 +7,7 @@ decides how bucket bytes travel: as ZMQ frames, or written once into same-host s
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bridge.errors import ConfigError
 
@@ -37,3 +37,16 @@ def send_plane(kind: str) -> SendPlane:
     module, _, cls = target.partition(":")
     plane: SendPlane = getattr(importlib.import_module(module), cls)()
     return plane
+
+
+COLLECTIVE_BACKENDS = ("gloo", "nccl")
+
+
+def collective_link(kind: str, host: str, port: int, rank: int, world: int, timeout_s: float = 60.0) -> Any:
+    """A collective data-plane link (``gloo`` or ``nccl``, see collective_plane.py); torch.distributed
+    is imported only here, so nothing on the ZMQ/shm path ever loads it."""
+    if kind not in COLLECTIVE_BACKENDS:
+        raise ConfigError(f"unknown collective transport {kind!r}; available: {list(COLLECTIVE_BACKENDS)}")
+    from bridge.transports.collective_plane import CollectiveLink
+
+    return CollectiveLink(kind, host, port, rank, world, timeout_s)
