@@ -61,6 +61,9 @@ class SyncConfig:
     verify_checksums: bool = True
     max_header_bytes: int = 64 << 20
     max_tensors: int = 1_000_000
+    # keep a host-memory copy of the served weights (one model's worth, in the actor process); a failure
+    # after loading began then restores it instead of leaving the engine degraded
+    host_copy: bool = False
 
 
 @dataclass(frozen=True)

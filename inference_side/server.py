@@ -22,6 +22,7 @@ from bridge.errors import BridgeError, ManifestError, VersionError
 from bridge.records import SyncRecord
 from bridge.transports import available as available_transports
 from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from inference_side.streaming import StreamingGate
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def resolve_config(config: BridgeConfig | dict[str, Any] | str | None) -> Bridge
     return load_config(config)
 
 
-class InferenceServer:
+class InferenceServer(StreamingGate):
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  config: BridgeConfig | dict[str, Any] | str | None = None, name: str | None = None,
                  **llm_kwargs: Any) -> None:
@@ -56,6 +57,7 @@ class InferenceServer:
         self._version = 0
         self._degraded: str | None = None
         self._records: deque[SyncRecord] = deque(maxlen=self.config.serve.history)
+        self._host_copy = self._load_host_copy() if self.config.sync.host_copy else None
         self.receiver = SyncReceiver(self, self.config, on_event=self._on_event)
         self._endpoint = self.receiver.start()
         logger.info("%s serving %s at %s", self.name, self.model_path, self._endpoint)
@@ -76,6 +78,8 @@ class InferenceServer:
             "tp_size": self.tp_size,
             "dtype": self.dtype,
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],
+            "sessions": self.receiver.summary(),
+            "host_copy": self._host_copy is not None,
         }
 
     def records(self) -> list[dict[str, Any]]:
@@ -121,6 +125,11 @@ class InferenceServer:
     def shutdown(self) -> None:
         self.receiver.stop()
 
+    def test_only_arm_load_failure(self, name: str) -> list[str]:
+        """Test-only fault injection: every TP worker raises once, inside the next update, when it
+        reaches tensor ``name`` (after loading began). Used by tests/test_faults.py."""
+        return self.llm.collective_rpc("wb_test_only_arm_failure", args=(name,))
+
     # ---- EngineGate ---------------------------------------------------------------------------
     def info(self) -> wire.EngineInfo:
         return wire.EngineInfo(dtype=self.dtype, version=self._version, tp_size=self.tp_size,
@@ -152,19 +161,86 @@ class InferenceServer:
                    "identity": self.config.router.identity_check}
         t0 = time.perf_counter()
         with self._lock:
-            if manifest.version < self._version:
-                return self._record(manifest, False, f"version {manifest.version} is older than the served version {self._version}", {}, timings)
+            if manifest.version < self._version or (manifest.version == self._version and not self._degraded):
+                # another update (a second publisher) got there first while this one was staged
+                return self._record(manifest, False, f"VersionError: version {manifest.version} is not newer than the "
+                                    f"served version {self._version} (applied meanwhile by another update)", {}, timings)
             reports = self.llm.collective_rpc("wb_apply", args=(payload, options))
             apply_s = time.perf_counter() - t0
             errors = [f"rank {r.get('rank')}: {r['error']}" for r in reports if not r.get("ok")]
             if errors:
-                self._degraded = f"update to v{manifest.version} failed after loading began: " + " | ".join(errors)
-                return self._record(manifest, False, " | ".join(errors), {"apply": apply_s}, timings, reports)
+                reason = " | ".join(errors)
+                restored = self._restore_host_copy(manifest, options) if self._host_copy is not None else None
+                if restored:
+                    reason += f" (rolled back from the host copy: the engine serves version {self._version})"
+                else:
+                    self._degraded = f"update to v{manifest.version} failed after loading began: {reason}"
+                    if restored is not None:
+                        reason += " (restoring the host copy failed too: the engine is degraded)"
+                self.llm.reset_prefix_cache()
+                return self._record(manifest, False, reason, {"apply": apply_s}, timings, reports)
+            if self._host_copy is not None:
+                self._keep_host_copy(buckets)
             self.llm.reset_prefix_cache()
             self._version = manifest.version
             self._degraded = None
             probe = self._probe(manifest.probe) if manifest.probe and self.config.probe.enabled else {}
         return self._record(manifest, True, "", {"apply": apply_s}, timings, reports, probe)
+
+    # ---- host copy (sync.host_copy) ---------------------------------------------------------------
+    def _load_host_copy(self) -> dict[str, Any]:
+        """The served weights in checkpoint names, as the engine would receive them (floats in its dtype)."""
+        import torch
+        from safetensors.torch import load_file
+
+        copy: dict[str, Any] = {}
+        for path in sorted(Path(self.model_path).glob("*.safetensors")):
+            for name, tensor in load_file(str(path)).items():
+                copy[name] = tensor.to(getattr(torch, self.dtype)) if tensor.is_floating_point() else tensor
+        logger.info("%s keeps a host copy of %d tensors", self.name, len(copy))
+        return copy
+
+    def _keep_host_copy(self, buckets: list[StagedBucket]) -> None:
+        import torch
+
+        assert self._host_copy is not None
+        for bucket in buckets:
+            for spec in bucket.specs:
+                raw = torch.frombuffer(bucket.segment.buffer, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset) \
+                    if spec.nbytes else torch.empty(0, dtype=torch.uint8)
+                self._host_copy[spec.name] = raw.clone().view(getattr(torch, spec.dtype)).view(spec.shape)
+
+    def _restore_host_copy(self, manifest: wire.Manifest, options: dict[str, Any]) -> bool:
+        """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
+        import torch
+
+        from bridge.shm import Segment
+
+        assert self._host_copy is not None
+        tensors, offset = [], 0
+        for spec in manifest.tensors:
+            value = self._host_copy[spec.name].contiguous()
+            nbytes = value.numel() * value.element_size()
+            tensors.append((spec.name, value, offset, nbytes))
+            offset += nbytes
+        segment = Segment.create("restore", offset)
+        try:
+            out = torch.frombuffer(segment.mm, dtype=torch.uint8, count=offset) if offset else torch.empty(0, dtype=torch.uint8)
+            for _, value, off, nbytes in tensors:
+                if nbytes:
+                    out[off:off + nbytes].copy_(value.view(-1).view(torch.uint8))
+            del out
+            payload = [{"segment": segment.name, "size": offset,
+                        "tensors": [[n, str(v.dtype).removeprefix("torch."), list(v.shape), off, nb] for n, v, off, nb in tensors]}]
+            reports = self.llm.collective_rpc("wb_apply", args=(payload, options))
+        finally:
+            segment.close()
+        failed = [f"rank {r.get('rank')}: {r.get('error')}" for r in reports if not r.get("ok")]
+        if failed:
+            logger.error("%s: restoring the host copy failed: %s", self.name, " | ".join(failed))
+            return False
+        logger.warning("%s: update to v%s failed; restored v%s from the host copy", self.name, manifest.version, self._version)
+        return True
 
     # ---- internals ----------------------------------------------------------------------------
     def _score(self, sequences: list[list[int]]) -> list[list[float]]:
