@@ -1,0 +1,212 @@
+"""A training loop with the bridge, as a Ray job: the job's driver is the trainer, a named
+``InferenceActor`` on the same node is the engine.
+
+Against a cluster started with ``ray start --head``, from the repository root::
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python -m trainer_side.ray_job --loop grpo --steps 20
+
+The driver writes the initial policy as a checkpoint, starts the engine actor (named ``--actor-name``
+in namespace ``--namespace``, so ``weight-bridge serve --ray-address auto --actor NAME`` can watch it),
+then publishes one version per step, generating between syncs:
+
+* ``--loop grpo``: the GRPO example (``examples/grpo_toy.py``, needs the repository as working dir);
+* ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``).
+
+Each step prints one JSON line with its sync record; the last line is ``{"summary": ...}``. The exit
+status is 0 only if every sync passed: applied, audited (no stale tensor, no identity violation) and
+its parity probe within bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bridge.errors import BridgeError
+from trainer_side.publisher import PublishReport
+
+logger = logging.getLogger(__name__)
+
+EXIT_FAILED_SYNC = 1
+EXIT_ERROR = 2
+
+
+class JobError(BridgeError):
+    """The job cannot run as asked (loop not available, engine did not start)."""
+
+
+@dataclass(frozen=True)
+class JobArgs:
+    loop: str
+    kind: str
+    steps: int
+    seed: int
+    actor_name: str
+    namespace: str
+    tp: int
+    dtype: str
+    config: str | None
+    start_timeout_s: float
+    linger_s: float = 0.0
+
+
+def start_engine(checkpoint: str | Path, name: str, namespace: str, tp: int = 1, dtype: str = "bfloat16",
+                 config: Any = None, timeout_s: float = 900.0) -> tuple[Any, str]:
+    """A named ``InferenceActor`` serving ``checkpoint``, pinned to this node (the checkpoint is a local
+    directory and the receiver binds loopback by default); returns the handle and its endpoint."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from inference_side import InferenceActor
+
+    here = ray.get_runtime_context().get_node_id()
+    actor = InferenceActor.options(  # type: ignore[attr-defined]
+        name=name, namespace=namespace,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote(model=str(checkpoint), tensor_parallel_size=tp, dtype=dtype, config=config, name=name)
+    try:
+        endpoint = ray.get(actor.endpoint.remote(), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types for a failed actor start
+        ray.kill(actor)
+        raise JobError(f"engine actor {name!r} did not start: {type(exc).__name__}: {exc}") from exc
+    logger.info("engine %s serving %s at %s", name, checkpoint, endpoint)
+    return actor, str(endpoint)
+
+
+def sync_summary(report: PublishReport) -> dict[str, Any]:
+    """The sync record of a one-engine publish, compact enough for one log line."""
+    (eng,) = report.engines
+    rec = eng.engine
+    return {
+        "version": report.version, "engine": rec.get("engine", eng.endpoint), "ok": eng.ok, "verified": eng.verified,
+        "reason": eng.reason, "bytes": report.bytes, "seconds": round(report.seconds.get("total", 0.0), 4),
+        "gbps": round(report.gbps, 4), "tensors_audited": rec.get("tensors_audited", 0),
+        "stale_tensors": rec.get("stale_tensors", []), "identity_violations": rec.get("identity_violations", []),
+        "probe_mean_abs_logprob_diff": _round(rec.get("probe_mean_abs_logprob_diff"), 6),
+        "probe_kl": _round(rec.get("probe_kl"), 8), "probe_flagged": bool(rec.get("probe_flagged")),
+    }
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def sync_passed(sync: dict[str, Any]) -> bool:
+    """Applied and verified, with a probe result within bound."""
+    return bool(sync.get("ok") and sync.get("verified") and sync.get("probe_mean_abs_logprob_diff") is not None
+                and not sync.get("probe_flagged"))
+
+
+def versions_loop(args: JobArgs, actor: Any, endpoint: str) -> Iterator[dict[str, Any]]:
+    """Publish fresh random weights (seed + step + 1) each step; greedy generation between syncs."""
+    import ray
+
+    from bridge.tiny_models import build_model
+    from trainer_side.probe import build_probe
+    from trainer_side.publisher import WeightPublisher
+
+    prompts = [[1, 2, 3, 4, 5], [100, 200, 300]]
+    with WeightPublisher([endpoint], config=args.config) as publisher:
+        for step in range(args.steps):
+            model = build_model(args.kind, args.seed + step + 1)
+            report = publisher.publish(model.named_parameters(), version=step + 1, probe=build_probe(model))
+            outs = ray.get(actor.generate.remote(prompts, max_tokens=8))
+            yield {"step": step, "version": step + 1, "sync": sync_summary(report),
+                   "generated": [o["token_ids"] for o in outs]}
+
+
+def grpo_loop(args: JobArgs, actor: Any, endpoint: str, policy: Any) -> Iterator[dict[str, Any]]:
+    from examples.grpo_toy import GRPOConfig, train
+
+    cfg = GRPOConfig(kind=args.kind, steps=args.steps, seed=args.seed)
+    return train(cfg, policy, actor, endpoint, config=args.config)
+
+
+def run(args: JobArgs) -> int:
+    import ray
+
+    from bridge.tiny_models import build_model, save_checkpoint
+
+    if args.loop == "grpo":
+        try:
+            from examples.grpo_toy import make_policy
+        except ModuleNotFoundError as exc:
+            raise JobError(f"--loop grpo needs the repository's examples/ package ({exc}); submit with "
+                           "--working-dir at the repository root") from exc
+        from examples.grpo_toy import GRPOConfig
+
+        policy = make_policy(GRPOConfig(kind=args.kind, seed=args.seed))
+    else:
+        policy = build_model(args.kind, args.seed)
+    ray.init(namespace=args.namespace, log_to_driver=False)  # inside a Ray job: joins the job's cluster
+    lines: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="wb-ray-job-") as tmp:
+        checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
+        actor, endpoint = start_engine(checkpoint, args.actor_name, args.namespace, args.tp, args.dtype,
+                                       args.config, args.start_timeout_s)
+        try:
+            steps = grpo_loop(args, actor, endpoint, policy) if args.loop == "grpo" else versions_loop(args, actor, endpoint)
+            for line in steps:
+                lines.append(line)
+                print(json.dumps(line), flush=True)
+            if args.linger_s > 0:
+                logger.info("keeping engine %s up for %.0fs (dashboards may read it)", args.actor_name, args.linger_s)
+                time.sleep(args.linger_s)
+        finally:
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+    failed = [x["version"] for x in lines if not sync_passed(x["sync"])]
+    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "syncs": len(lines),
+                               "syncs_passed": len(lines) - len(failed), "failed_versions": failed}
+    if args.loop == "grpo" and lines:
+        k = max(1, len(lines) // 4)
+        summary["reward_first"] = round(sum(x["reward"] for x in lines[:k]) / k, 4)
+        summary["reward_last"] = round(sum(x["reward"] for x in lines[-k:]) / k, 4)
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0 if lines and len(lines) == args.steps and not failed else EXIT_FAILED_SYNC
+
+
+def parse(argv: list[str] | None = None) -> JobArgs:
+    p = argparse.ArgumentParser(prog="trainer_side.ray_job", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--loop", choices=["grpo", "versions"], default="grpo", help="what the trainer does each step (default: grpo)")
+    p.add_argument("--kind", default="tiny", help="model preset: tiny, 50m, 350m, 1b (versions also: gpt_oss)")
+    p.add_argument("--steps", type=int, default=20, help="versions to publish (default: 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--actor-name", default="engine-0", help="name of the InferenceActor (default: engine-0)")
+    p.add_argument("--namespace", default="weight-bridge", help="Ray namespace (default: weight-bridge)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of the engine")
+    p.add_argument("--dtype", default="bfloat16", help="engine dtype")
+    p.add_argument("--config", help="weight-bridge config YAML (default: configs/default.yaml)")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the engine to start")
+    p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                   help="keep the engine up this long after the last step, for dashboards (default: 0)")
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error("--steps must be at least 1")
+    if a.loop == "grpo" and a.kind == "gpt_oss":
+        p.error("--loop grpo trains a dense policy; use --kind tiny (or 50m, ...)")
+    return JobArgs(a.loop, a.kind, a.steps, a.seed, a.actor_name, a.namespace, a.tp, a.dtype, a.config, a.start_timeout,
+                   a.linger)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(parse(argv))
+    except BridgeError as exc:
+        print(f"trainer_side.ray_job: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
