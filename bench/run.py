@@ -176,7 +176,8 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
         if before:
             peaks.append(peak_growth(before))
         totals.append(rep["seconds"]["total"])
-        phases.append(rep["seconds"])
+        phases.append({**rep["seconds"], **{k: max(e.get(k, 0.0) for e in rep["engine_seconds"])
+                                             for k in rep["engine_seconds"][0] if k.startswith("engine_")}})
     keys = sorted({k for p in phases for k in p})
     return {
         "bridge": statistics.median(totals),

@@ -50,7 +50,8 @@ def serve(kind: str, seed: int) -> int:
                 pub = publishers[key] = WeightPublisher(cmd["endpoints"], config=config_from_dict(cmd.get("config", {})),
                                                         transport=cmd["transport"])
             try:
-                _answer(report_line(pub.publish(named, version=int(cmd["version"]))))
+                report = pub.publish(named, version=int(cmd["version"]))
+                _answer({**report_line(report), "engine_seconds": [e.seconds for e in report.engines]})
             except BridgeError as exc:
                 _answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         else:

@@ -57,11 +57,19 @@ class _Session:
     last_ping: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
+    # streaming mode (sync.mode=streaming): buckets are loaded as they arrive, in order, on the apply
+    # thread; a bucket's credit goes back once it is loaded, so at most ``depth`` are held here
+    loads: list[tuple[int, Future[str]]] = field(default_factory=list)
+    loaded: set[int] = field(default_factory=set)
+    on_abort: Callable[[str], None] | None = None  # set while a streaming load is open in the engine
 
-    def close(self) -> None:
+    def close(self, reason: str = "update abandoned") -> None:
         for bucket in self.buckets.values():
             bucket.segment.close()
         self.buckets.clear()
+        abort, self.on_abort = self.on_abort, None
+        if abort is not None:
+            abort(reason)
 
 
 def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str,
@@ -80,8 +88,18 @@ def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tup
             import torch
 
             t = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset).view(getattr(torch, spec.dtype))
-            if not bool(torch.isfinite(t.float() if spec.dtype.startswith("float8") else t).all()):
+            if not all_finite(t.float() if spec.dtype.startswith("float8") else t):
                 raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
+
+
+def all_finite(t: Any) -> bool:
+    """Exactly ``isfinite(t).all()``, fast: any NaN or Inf element makes the sum NaN or Inf, so a finite
+    sum proves every element finite; only a non-finite (or overflowing) sum pays for the element-wise check."""
+    import torch
+
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _by_offset(specs: list[wire.TensorSpec], checksums: tuple[int, ...]) -> list[int]:
@@ -123,6 +141,44 @@ class SyncReceiver:
                  "bytes": s.bytes_in, "applying": s.pending is not None}
                 for s in list(self._sessions.values())]
 
+    # ---- streaming mode ------------------------------------------------------------------------
+    def _streaming(self) -> bool:
+        return self.config.sync.mode == "streaming" and hasattr(self.gate, "stream_begin")
+
+    def _stream_begin(self, session: _Session) -> None:
+        gate: Any = self.gate
+        manifest = session.manifest
+        self._executor.submit(gate.stream_begin, manifest)
+
+        def abort(reason: str) -> None:
+            self._executor.submit(gate.stream_abort, manifest, reason)
+
+        session.on_abort = abort
+
+    def _stream_load(self, session: _Session, bucket: StagedBucket) -> None:
+        gate: Any = self.gate
+        session.loads.append((bucket.index, self._executor.submit(gate.stream_load, session.manifest, bucket)))
+
+    def _stream_progress(self, sock: Any, session: _Session) -> bool:
+        """Credit back every bucket loaded so far, in order, and free its staging; on a failed load,
+        refuse the update. True when the session was ended."""
+        while session.loads and session.loads[0][1].done():
+            index, fut = session.loads.pop(0)
+            try:
+                error = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - report whatever broke the load
+                error = f"{type(exc).__name__}: {exc}"
+            if error:
+                self._fail(sock, session.identity, session.manifest.version, error)
+                return True
+            bucket = session.buckets.pop(index, None)
+            if bucket is not None:
+                bucket.segment.close()
+            session.loaded.add(index)
+            if session.pending is None:
+                self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=1))
+        return False
+
     # ---- loop --------------------------------------------------------------------------------
     def _run(self) -> None:
         import zmq
@@ -149,7 +205,7 @@ class SyncReceiver:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(50):
+                if poller.poll(2 if any(s.loads for s in self._sessions.values()) else 50):
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -169,7 +225,7 @@ class SyncReceiver:
         logger.warning("update v%s from %r refused: %s", version, identity, reason)
         session = self._sessions.pop(identity, None)
         if session is not None:
-            session.close()
+            session.close(reason)
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
         self.on_event("refused", {"version": version, "reason": reason})
 
@@ -218,7 +274,9 @@ class SyncReceiver:
             self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report={"noop": True}))
             return
         now = time.monotonic()
-        self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
+        session = self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
+        if self._streaming():
+            self._stream_begin(session)
         self._send(sock, identity, wire.Credit(version=manifest.version, n=self.config.transport.depth))
 
     def _bucket(self, sock: Any, identity: bytes, header: wire.BucketHeader, payload: list[Any]) -> None:
@@ -252,6 +310,9 @@ class SyncReceiver:
             self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
+        if session.on_abort is not None:
+            self._stream_load(session, session.buckets[header.index])
+            return
         self._send(sock, identity, wire.Credit(version=m.version, n=1))
 
     def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
@@ -259,13 +320,17 @@ class SyncReceiver:
         if session is None or msg.version != session.manifest.version:
             self._fail(sock, identity, msg.version, "end of an update that was never begun")
             return
-        missing = sorted(set(range(len(session.manifest.bucket_sizes))) - set(session.buckets))
+        missing = sorted(set(range(len(session.manifest.bucket_sizes))) - set(session.buckets) - session.loaded)
         if missing:
             self._fail(sock, identity, msg.version, f"update ended with buckets {missing[:10]} missing")
             return
         session.timings["transfer"] = time.monotonic() - session.started
         buckets = [session.buckets[i] for i in sorted(session.buckets)]
         session.apply_started = time.monotonic()
+        if session.on_abort is not None:
+            session.on_abort = None  # from here on the finish (or its failure) ends the engine's load
+            session.pending = self._executor.submit(self.gate.stream_finish, session.manifest, session.timings)  # type: ignore[attr-defined]
+            return
         session.pending = self._executor.submit(self.gate.apply, session.manifest, buckets, session.timings)
 
     def _tick(self, sock: Any) -> None:
@@ -273,6 +338,8 @@ class SyncReceiver:
         deadlines = self.config.deadlines
         for identity, session in list(self._sessions.items()):
             version = session.manifest.version
+            if session.loads and self._stream_progress(sock, session):
+                continue
             if session.pending is not None:
                 if session.pending.done():
                     self._sessions.pop(identity)

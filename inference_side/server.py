@@ -22,6 +22,7 @@ from bridge.errors import BridgeError, ManifestError, VersionError
 from bridge.records import SyncRecord
 from bridge.transports import available as available_transports
 from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from inference_side.streaming import StreamingGate
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def resolve_config(config: BridgeConfig | dict[str, Any] | str | None) -> Bridge
     return load_config(config)
 
 
-class InferenceServer:
+class InferenceServer(StreamingGate):
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  config: BridgeConfig | dict[str, Any] | str | None = None, name: str | None = None,
                  **llm_kwargs: Any) -> None:

@@ -111,6 +111,96 @@ class WeightSyncWorker:
         report["worker_seconds"] = time.perf_counter() - t0
         return report
 
+    # ---- streaming mode: one RPC per bucket (inference_side/streaming.py) -------------------------
+    _wb_stream: ReloadSession | None = None
+    _wb_stream_segments: list[tuple[Segment, list[Any]]] | None = None  # mapped buckets and their storages
+
+    def wb_stream_begin(self, names: list[str], options: dict[str, Any]) -> dict[str, Any]:
+        """Open the layerwise reload for an update whose buckets follow one ``wb_stream_load`` each."""
+        from vllm.config import set_current_vllm_config
+
+        if self._wb_state is None:
+            self.wb_setup()
+        assert self._wb_state is not None
+        self.wb_stream_abort()  # a reload left open by an update that never ended
+        session = ReloadSession(
+            self._wb_model(), self.vllm_config.model_config, self._wb_state, names,  # type: ignore[attr-defined]
+            router=bool(options.get("router", True)),
+            audit=bool(options.get("audit", True)),
+            identity=bool(options.get("identity", True)),
+        )
+        self._wb_stream_segments = []
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                session.begin()
+        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
+            session.abort()
+            return {"ok": False, "rank": self._wb_state.tp_rank, "error": f"{type(exc).__name__}: {exc}"}
+        self._wb_stream = session
+        return {"ok": True, "rank": self._wb_state.tp_rank}
+
+    def wb_stream_load(self, bucket: dict[str, Any]) -> dict[str, Any]:
+        """Load one bucket's tensors into the open reload; unmap every earlier bucket nothing holds."""
+        from vllm.config import set_current_vllm_config
+
+        rank = self._wb_state.tp_rank if self._wb_state else -1
+        session = self._wb_stream
+        if session is None or self._wb_stream_segments is None:
+            return {"ok": False, "rank": rank, "error": "no streaming update is open on this worker"}
+        t0 = time.perf_counter()
+        try:
+            seg = Segment.attach(bucket["segment"], bucket["size"], private=True)
+            views = _views(seg, bucket["tensors"])
+            self._wb_stream_segments.append((seg, [t.untyped_storage() for _, t in views]))
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                _load_views(session, views)
+            del views
+        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
+            logger.error("streaming load failed in worker: %s", traceback.format_exc())
+            return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+        self._wb_stream_segments = [(s, st) for s, st in self._wb_stream_segments if not _unmapped(s, st)]
+        return {"ok": True, "rank": rank, "seconds": time.perf_counter() - t0, "mapped": len(self._wb_stream_segments)}
+
+    def wb_stream_finish(self) -> dict[str, Any]:
+        from vllm.config import set_current_vllm_config
+
+        rank = self._wb_state.tp_rank if self._wb_state else -1
+        session, self._wb_stream = self._wb_stream, None
+        if session is None:
+            return {"ok": False, "rank": rank, "error": "no streaming update is open on this worker"}
+        t0 = time.perf_counter()
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                report = session.finish()
+            report["ok"] = True
+        except BridgeError as exc:
+            session.abort()
+            report = {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
+            session.abort()
+            logger.error("streaming finish failed in worker: %s", traceback.format_exc())
+            report = {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self._wb_unmap_all()
+        report["worker_seconds"] = time.perf_counter() - t0
+        return report
+
+    def wb_stream_abort(self) -> dict[str, Any]:
+        """End an open streaming reload after a failure: kernel tensors back in place (a mix of versions)."""
+        from vllm.config import set_current_vllm_config
+
+        session, self._wb_stream = self._wb_stream, None
+        if session is not None:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                session.abort()
+        self._wb_unmap_all()
+        return {"ok": True, "rank": self._wb_state.tp_rank if self._wb_state else -1, "aborted": session is not None}
+
+    def _wb_unmap_all(self) -> None:
+        for seg, _ in self._wb_stream_segments or []:
+            seg.close()
+        self._wb_stream_segments = None
+
     # ---- benchmark baseline ---------------------------------------------------------------------
     def wb_baseline_reload(self, seed: int) -> dict[str, Any]:
         """The benchmark's baseline B: vLLM's own in-process ``reload_weights`` from a list of tensors
@@ -172,3 +262,24 @@ def _views(seg: Segment, tensors: list[list[Any]]) -> list[tuple[str, Any]]:
         raw = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
         out.append((name, raw.view(_torch_dtype(dtype)).view(tuple(shape))))
     return out
+
+
+def _load_views(session: ReloadSession, views: list[tuple[str, Any]]) -> None:
+    """Load each view (a function, so no loop variable outlives it and pins a mapping)."""
+    for name, tensor in views:
+        session.load(name, tensor)
+
+
+def _unmapped(seg: Segment, storages: list[Any]) -> bool:
+    """Unmap ``seg`` once no tensor views it any more: vLLM's layerwise reload keeps a layer's tensors
+    until the layer is complete, and ``torch.frombuffer`` views do not pin the mapping (closing it under
+    a live view would leave the view reading unmapped memory). A storage referenced only by ``storages``
+    has a use count of 1."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or any(use_count(st._cdata) > 1 for st in storages):
+        return False
+    storages.clear()
+    seg.close()
+    return True

@@ -336,39 +336,46 @@ def mh_key(t: Any) -> tuple[int, tuple[int, ...], str]:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_sink_tp_shards_through_real_reload(rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP sharding on the real DeepSeek V4 class and reload: a worker state of rank ``rank`` of 2 writes global
-    heads [4*rank, 4*rank+4) of the 8-head checkpoint into the sink's first 4 slots, -inf into the rest."""
+@pytest.mark.parametrize("model_id", ["deepseek_v4", "gpt_oss"])
+def test_sink_tp_shards_through_real_reload(model_id: str, rank: int, gpt_oss_ckpts: dict[int, Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP sharding and -inf padding through the real model class and reload, for a worker state of rank ``rank``
+    of 2: global heads [n*rank, n*rank+n) land in the sink's first n slots, every other slot becomes -inf --
+    whatever it held before (it is set to 0 first). DeepSeek V4's attention is a deferred attention layer (vLLM
+    replays the write into the live parameter at finalize); GPT-OSS's is materialised fresh and copied back."""
     import torch
     from vllm.config import set_current_vllm_config
 
     from inference_side.reload_session import ReloadSession, SinkBinding, WorkerRouterState
     from inference_side.router import SinkLoader, init_sink_padding
 
-    case = next(c for c in CASES if c.id == "deepseek_v4")
-    model, vllm_config = _build_case(case, monkeypatch)
-    path = "model.layers.0.attn.attn_sink"
-    state = WorkerRouterState(tp_rank=rank, tp_size=2, module_names={n for n, _ in model.named_modules()})
-    state.sinks[path] = SinkBinding(path, "layers.0.attn.attn_sink", 8)
+    if model_id == "deepseek_v4":
+        model, vllm_config = _build_case(next(c for c in CASES if c.id == "deepseek_v4"), monkeypatch)
+        path, name, heads = "model.layers.0.attn.attn_sink", "layers.0.attn.attn_sink", 8
+    else:
+        model, vllm_config = _build_gpt_oss(gpt_oss_ckpts[1], tmp_path, "tp")
+        path, name, heads = "model.layers.0.attn.sinks", "model.layers.0.self_attn.sinks", 4
+    n = heads // 2
+    state = WorkerRouterState(tp_rank=rank, tp_size=2, module_names={m for m, _ in model.named_modules()})
+    state.sinks[path] = SinkBinding(path, name, heads)
     live = model.get_parameter(path)
-    # as wb_setup does on a rank: the live parameter gets the common loader (DeepSeek's attention module is a
-    # deferred attention layer; vLLM replays its writes through the live parameter's loader at finalize)
-    live.weight_loader = SinkLoader(rank, 2, path)
-    init_sink_padding(live, 8, rank, 2, path)
-    assert bool(torch.isneginf(live.data[4:]).all())
+    live.weight_loader = SinkLoader(rank, 2, path)  # as wb_setup does on a rank
+    init_sink_padding(live, heads, rank, 2, path)
+    assert bool(torch.isneginf(live.data[n:]).all())
     ptr = live.data_ptr()
     for seed in (5, 6):
-        sinks = torch.randn(8, generator=torch.Generator().manual_seed(seed))
-        session = ReloadSession(model, vllm_config.model_config, state, ["layers.0.attn.attn_sink"])
+        live.data[n:] = 0.0
+        sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed)).to(live.dtype)
+        session = ReloadSession(model, vllm_config.model_config, state, [name])
         with set_current_vllm_config(vllm_config):
             session.begin()
-            session.load("layers.0.attn.attn_sink", sinks)
+            session.load(name, sinks)
             report = session.finish()
-        live = model.get_parameter(path).data
+        now = model.get_parameter(path).data
         assert report["routed_sinks"] == [path]
-        assert torch.equal(live[:4], sinks[4 * rank: 4 * rank + 4])
-        assert bool(torch.isneginf(live[4:]).all())
-        assert live.data_ptr() == ptr
+        assert torch.equal(now[:n], sinks[n * rank: n * rank + n])
+        assert bool(torch.isneginf(now[n:]).all()), now.tolist()
+        assert now.data_ptr() == ptr
 
 
 def test_pipeline_stage_skips_missing_layer(gpt_oss_ckpts: dict[int, Path], tmp_path: Path) -> None:

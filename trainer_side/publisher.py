@@ -19,6 +19,7 @@ from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
 from bridge.transports import send_plane
+from bridge.transports.base import SendPlane
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class WeightPublisher:
         self._ctx: Any = zmq.Context.instance()
         self._curve_public = curve_server_public if curve_server_public is not None else self.config.transport.curve_server_public
         self._current = 0  # version being published
+        self._planes: dict[str, SendPlane] = {}  # kept across updates: their buffers are reused
         self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
         self._poller = zmq.Poller()
         for peer in self._peers:
@@ -104,6 +106,16 @@ class WeightPublisher:
             peer.socket.disable_monitor()
             peer.monitor.close(0)
             peer.socket.close(0)
+        for plane in self._planes.values():
+            plane.close()
+        self._planes.clear()
+
+    def _plane(self) -> SendPlane:
+        plane = self._planes.get(self.transport)
+        if plane is None:
+            plane = self._planes[self.transport] = send_plane(self.transport)
+        plane.configure(self.config.transport.depth)
+        return plane
 
     @staticmethod
     def _handshake_failure(peer: _Peer) -> str:
@@ -128,8 +140,9 @@ class WeightPublisher:
         self.close()
 
     # ---- messaging ----------------------------------------------------------------------------
-    def _send(self, peer: _Peer, msg: wire.Message, frames: tuple[Any, ...] = ()) -> None:
-        peer.socket.send_multipart([wire.encode(msg), *frames], copy=False)
+    def _send(self, peer: _Peer, msg: wire.Message, frames: tuple[Any, ...] = ()) -> Any:
+        """Send a header and its frames; with frames, return the tracker of the last one."""
+        return peer.socket.send_multipart([wire.encode(msg), *frames], copy=False, track=bool(frames))
 
     def _pump(self, timeout_s: float) -> None:
         """Receive whatever arrived within ``timeout_s`` and update peer state."""
@@ -194,7 +207,7 @@ class WeightPublisher:
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
                                  publisher=self.name, transport=self.transport, probe=probe, checksum=preferred_checksum())
-        plane = send_plane(self.transport)
+        plane = self._plane()
         for peer in self._peers:
             peer.credit, peer.ack = 0, None
             self._send(peer, wire.Begin(manifest))
@@ -215,7 +228,7 @@ class WeightPublisher:
                 for peer in active:
                     if peer.ack is None:
                         peer.credit -= 1
-                        self._send(peer, header, out.frames)
+                        plane.sent(index, self._send(peer, header, out.frames))
             for peer in self._peers:
                 if peer.ack is None:
                     self._send(peer, wire.End(version=version))

@@ -1,6 +1,9 @@
 """The data-plane interface. A send plane gives the publisher a buffer to pack a bucket into and
 turns it into what travels; the receiver side turns what arrived into a shared-memory segment
-that every TP worker on the host maps in place."""
+that every TP worker on the host maps in place.
+
+A plane lives as long as its publisher: buffers are reused from one update to the next, because on
+this kind of machine writing into fresh pages (first touch) costs several times a warm copy."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ class OutgoingBucket:
 class SendPlane(ABC):
     kind: str = ""
 
+    def configure(self, depth: int) -> None:  # noqa: B027 - optional hook
+        """Told the number of buckets in flight per receiver before each update."""
+
     @abstractmethod
     def allocate(self, index: int, size: int) -> Any:
         """A uint8 torch tensor of ``size`` bytes to pack bucket ``index`` into."""
@@ -31,6 +37,13 @@ class SendPlane(ABC):
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         """The packed buffer as it travels."""
 
+    def sent(self, index: int, tracker: Any) -> None:  # noqa: B027 - optional hook
+        """The frames of bucket ``index`` were handed to one socket; ``tracker`` says when they left."""
+
     def release(self) -> None:
-        """Free everything held for the last update (called once every receiver answered)."""
+        """The update is over (every receiver answered); buffers may be kept for the next one."""
         return None  # noqa: B027 - optional hook; most planes hold nothing
+
+    def close(self) -> None:
+        """Free everything (the publisher closes)."""
+        self.release()

@@ -1,5 +1,8 @@
 """Same-host shared memory: the trainer packs each bucket once into a segment; receivers on the
-host (and every TP worker behind them) map it in place. Zero copies on the wire."""
+host (and every TP worker behind them) map it in place. Zero copies on the wire.
+
+Segments are kept per bucket index and reused by the next update (receivers may map a bucket until
+they acknowledge, so a segment is rewritten only by a later update); ``close`` unlinks them."""
 
 from __future__ import annotations
 
@@ -18,14 +21,17 @@ class ShmSendPlane(SendPlane):
     def allocate(self, index: int, size: int) -> Any:
         import torch
 
-        seg = Segment.create("bucket", size)
-        self._segments[index] = seg
+        seg = self._segments.get(index)
+        if seg is None or seg.size != size:
+            if seg is not None:
+                seg.close()
+            seg = self._segments[index] = Segment.create("bucket", size)
         return torch.frombuffer(seg.mm, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
 
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         return OutgoingBucket(index, buffer, (), segment=self._segments[index].name)
 
-    def release(self) -> None:
+    def close(self) -> None:
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()

@@ -1,4 +1,8 @@
-"""ZMQ data plane: bucket bytes travel as one zero-copy frame after the header (tcp:// or ipc://)."""
+"""ZMQ data plane: bucket bytes travel as one zero-copy frame after the header (tcp:// or ipc://).
+
+Packing buffers form a ring of ``depth + 1`` slots reused across buckets and updates; a slot is
+packed again only once ZMQ has let go of its last frame (a MessageTracker per socket it went to);
+a slot still held after ``WAIT_S`` (a slow or dead receiver) is abandoned to ZMQ and replaced."""
 
 from __future__ import annotations
 
@@ -6,14 +10,59 @@ from typing import Any
 
 from bridge.transports.base import OutgoingBucket, SendPlane
 
+WAIT_S = 1.0
+
 
 class ZmqSendPlane(SendPlane):
     kind = "zmq"
 
+    def __init__(self) -> None:
+        self._slots = 3
+        self._buffers: dict[int, Any] = {}
+        self._trackers: dict[int, list[Any]] = {}
+
+    def configure(self, depth: int) -> None:
+        self._slots = depth + 1
+
     def allocate(self, index: int, size: int) -> Any:
         import torch
 
-        return torch.empty(size, dtype=torch.uint8)
+        slot = index % self._slots
+        if not _settled(self._trackers.pop(slot, []), WAIT_S):
+            self._buffers.pop(slot, None)  # ZMQ still holds it: leave it to ZMQ, pack into a new one
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[slot] = torch.empty(size, dtype=torch.uint8)
+        return buf[:size]
 
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         return OutgoingBucket(index, buffer, (memoryview(buffer.numpy()),))
+
+    def sent(self, index: int, tracker: Any) -> None:
+        if tracker is not None:
+            self._trackers.setdefault(index % self._slots, []).append(tracker)
+
+    def release(self) -> None:
+        for slot, trackers in self._trackers.items():
+            if not _settled(trackers, 0.0):
+                self._buffers.pop(slot, None)
+        self._trackers.clear()
+
+    def close(self) -> None:
+        self.release()
+        self._buffers.clear()
+
+
+def _settled(trackers: list[Any], timeout_s: float) -> bool:
+    """True once ZMQ released every frame behind ``trackers`` (waiting at most ``timeout_s`` each)."""
+    import zmq
+
+    for tracker in trackers:
+        if timeout_s > 0:
+            try:
+                tracker.wait(timeout_s)
+            except zmq.NotDone:
+                return False
+        if not tracker.done:
+            return False
+    return True
