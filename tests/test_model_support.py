@@ -47,6 +47,7 @@ class Case:
     plain: dict[str, str]  # other tensors sent along (checkpoint name -> vLLM path)
     direct_copy: bool  # the model writes sinks with param.data.copy_ (stale without the router)
     route: str = "sink_loader"  # how the router sends the sinks: sink_loader | capture | model_loader
+    bypass: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tensors written behind loaders (shape)
     heads: int = 4  # global sink heads in the checkpoint
     speculative: bool = False
     padded_heads: int = 0  # emulate a padding backend (DeepSeek on FlashMLA) for this many extra slots
@@ -112,6 +113,14 @@ CASES = [
          plain={"model.layers.0.mlp.experts.down_proj": "model.layers.0.mlp.experts.down_proj",
                 "model.layers.0.mlp.experts.down_proj_bias": "model.layers.0.mlp.experts.down_proj_bias"},
          direct_copy=False),
+    Case("openai_privacy_filter", {}, build_kwargs={"runner": "pooling"},
+         sinks={f"model.layers.{i}.self_attn.sinks": f"model.layers.{i}.attn.sinks" for i in range(2)},
+         plain={"model.norm.weight": "model.norm.weight"},
+         bypass={"model.layers.1.mlp.experts.gate_up_proj": (4, 128, 256),
+                 "model.layers.1.mlp.experts.gate_up_proj_bias": (4, 256),
+                 "model.layers.1.mlp.experts.down_proj": (4, 128, 128),
+                 "model.layers.1.mlp.experts.down_proj_bias": (4, 128)},
+         direct_copy=True),
 ]
 
 
@@ -122,10 +131,13 @@ def _distributed() -> Any:
 
 
 def _config(case: Case) -> dict[str, Any]:
-    if case.id == "transformers_backend_gpt_oss":
-        from bridge.tiny_models import gpt_oss_config
+    from bridge.tiny_models import gpt_oss_config
 
+    if case.id == "transformers_backend_gpt_oss":
         return {**gpt_oss_config().to_dict(), "architectures": ["GptOssForCausalLM"]}
+    if case.id == "openai_privacy_filter":  # GPT-OSS layers with a token-classification head
+        return {**gpt_oss_config().to_dict(), "architectures": ["OpenAIPrivacyFilterForTokenClassification"],
+                "num_labels": 3}
     return case.config
 
 
@@ -151,6 +163,8 @@ def _tensors(case: Case, model: Any, seed: int) -> dict[str, Any]:
     for name, path in case.plain.items():
         param = model.get_parameter(path)
         out[name] = torch.randn(param.shape, generator=gen).to(param.dtype)
+    for name, shape in case.bypass.items():
+        out[name] = (0.05 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
     return out
 
 
@@ -202,13 +216,14 @@ def test_model_class_two_reloads(case: Case, monkeypatch: pytest.MonkeyPatch) ->
                       "capture": name in report["routed_bypass"],
                       "model_loader": path not in setup["sinks"] and name not in report["routed_bypass"]}
             assert routes[case.route], (case.route, name, setup, report)
+        assert set(case.bypass) <= set(report["routed_bypass"]), report
 
     stale_values = {path: model.get_parameter(path).data.clone() for path in sink_paths}
     sent = _tensors(case, model, 4)
     report = mh.apply(worker, sent, router=False)
     if case.direct_copy:
         assert not report["ok"], report
-        for name in case.sinks:
+        for name in [*case.sinks, *case.bypass]:
             assert f"{name}: sent but never written through a weight loader (stale)" in report["error"], report
         for path in sink_paths:  # the bug the audit exists for: the sinks really are stale
             assert torch.equal(model.get_parameter(path).data, stale_values[path])
