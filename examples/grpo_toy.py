@@ -52,6 +52,15 @@ class GRPOConfig:
     seed: int = 0
 
 
+HELP = {
+    "kind": "policy preset of bridge.tiny_models", "steps": "GRPO steps (one published version each)",
+    "prompts": "distinct prompts per step", "group": "completions sampled per prompt (the GRPO group)",
+    "prompt_len": "tokens per prompt", "max_tokens": "tokens per completion", "temperature": "sampling temperature",
+    "lr": "Adam learning rate", "target_tokens": "reward counts completion tokens with id below this",
+    "seed": "seed of the policy, prompts and torch",
+}
+
+
 def reward(tokens: list[int], target_tokens: int) -> float:
     """Fraction of the completion's tokens that are target tokens (0.0 for an empty completion)."""
     return sum(1 for t in tokens if t < target_tokens) / len(tokens) if tokens else 0.0
@@ -151,7 +160,7 @@ def parse(argv: list[str] | None = None) -> tuple[GRPOConfig, argparse.Namespace
     defaults = GRPOConfig()
     p = argparse.ArgumentParser(prog="grpo_toy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field, value in asdict(defaults).items():
-        p.add_argument("--" + field.replace("_", "-"), type=type(value), default=value, help=f"(default: {value})")
+        p.add_argument("--" + field.replace("_", "-"), type=type(value), default=value, help=f"{HELP[field]} (default: {value})")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
     p.add_argument("--actor-name", default="grpo-engine", help="name of the inference actor (for `weight-bridge serve --actor`)")
     p.add_argument("--namespace", default="weight-bridge", help="Ray namespace of the actor")
