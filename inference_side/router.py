@@ -76,6 +76,31 @@ class SinkLoader:
             param.data[rng.count :].copy_(fill)
 
 
+def probe_sink_layout(model: Any, ckpt_name: str, path: str, global_heads: int, dtype: Any) -> list[int | None]:
+    """Run the model's own load code for one checkpoint sink tensor against a NaN-filled stand-in of the live
+    parameter (same attributes, so the same loader); return, per parameter slot, the global head index the
+    model writes there (``None``: not written, i.e. padding). The live parameter is never touched."""
+    import torch
+
+    module_path, _, pname = path.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    live = module._parameters[pname]
+    scratch = torch.nn.Parameter(torch.full_like(live.data, float("nan")), requires_grad=False)
+    scratch.__dict__.update(live.__dict__)
+    probe = torch.arange(global_heads, dtype=torch.float32).to(dtype)
+    module._parameters[pname] = scratch
+    try:
+        model.load_weights([(ckpt_name, probe)])
+    finally:
+        module._parameters[pname] = live
+    return [None if v != v else int(v) for v in scratch.data.float().tolist()]
+
+
+def layout_matches(layout: list[int | None], rng: HeadRange) -> bool:
+    """Does the model's own write (``probe_sink_layout``) put this rank's head range first, padding after?"""
+    return layout == list(range(rng.start, rng.start + rng.count)) + [None] * (rng.padded - rng.count)
+
+
 def init_sink_padding(param: Any, global_heads: int, tp_rank: int, tp_size: int, name: str) -> HeadRange:
     """At engine start: set padded heads of a live sink parameter to -inf; return its head range."""
     rng = sink_head_range(global_heads, int(param.shape[0]), tp_rank, tp_size, name)

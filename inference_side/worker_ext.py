@@ -14,7 +14,13 @@ from typing import Any
 from bridge.errors import BridgeError
 from bridge.shm import Segment
 from inference_side.reload_session import ReloadSession, SinkBinding, WorkerRouterState
-from inference_side.router import init_sink_padding, is_sink_name, map_checkpoint_name
+from inference_side.router import (
+    init_sink_padding,
+    is_sink_name,
+    layout_matches,
+    map_checkpoint_name,
+    sink_head_range,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class WeightSyncWorker:
         table = read_tensor_table(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         params = dict(model.named_parameters())
         attn_impls = {path: m.impl for path, m in model.named_modules() if getattr(getattr(m, "impl", None), "sinks", None) is not None}
+        unrouted: list[str] = []
         with torch.no_grad():
             for ckpt_name, entry in table.items():
                 if not is_sink_name(ckpt_name):
@@ -59,14 +66,37 @@ class WeightSyncWorker:
                 if path is None or path not in params:
                     continue
                 param = params[path]
+                rng = sink_head_range(entry.shape[0], int(param.shape[0]), rank, size, path)
+                layout = self._wb_probe_sink(model, ckpt_name, path, entry)
+                if layout is not None and not layout_matches(layout, rng):
+                    # e.g. MiMo-V2 Omni's vision sinks hold every head on every rank: not a per-rank shard
+                    logger.warning("%s: the model writes its sinks as global heads %s, not this rank's range %s; "
+                                   "left to the model's own loader", path, layout, rng)
+                    unrouted.append(path)
+                    continue
                 loader = SinkLoader(rank, size, path)
+                # on the live parameter too: at finalize vLLM replays a deferred attention layer's writes
+                # (DeepSeek V4's attention module holds attn_sink) through the live parameter's loader
                 param.weight_loader = loader
                 init_sink_padding(param, entry.shape[0], rank, size, path)
                 module_path = path.rpartition(".")[0]
                 impl = next((impl for apath, impl in attn_impls.items() if apath.startswith(module_path + ".")), None)
                 state.sinks[path] = SinkBinding(path, ckpt_name, entry.shape[0], impl)
         self._wb_state = state
-        return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks)}
+        return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks), "unrouted_sinks": sorted(unrouted)}
+
+    def _wb_probe_sink(self, model: Any, ckpt_name: str, path: str, entry: Any) -> list[int | None] | None:
+        """Which global head the model's own load code writes into each slot of this sink (None if unknown)."""
+        from vllm.config import set_current_vllm_config
+
+        from inference_side.router import probe_sink_layout
+
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                return probe_sink_layout(model, ckpt_name, path, entry.shape[0], _torch_dtype(entry.dtype))
+        except Exception as exc:  # noqa: BLE001 - a model whose loader cannot take one tensor: keep the default
+            logger.info("%s: could not probe the model's sink layout (%s); assuming this rank's head range", path, exc)
+            return None
 
     # ---- one update -----------------------------------------------------------------------------
     def wb_apply(self, buckets: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:

@@ -196,6 +196,7 @@ def test_model_class_two_reloads(case: Case, monkeypatch: pytest.MonkeyPatch) ->
     mh.save_table(vllm_config.model_config.model, _tensors(case, model, 1))
     worker = mh.ModelWorker(model, vllm_config)
     setup = worker.wb_setup()
+    assert setup["unrouted_sinks"] == [], setup  # the model's own write agrees with the rank's head range
     if case.padded_heads:  # the dummy loader filled the padding with random values; set-up makes it -inf
         for path in sink_paths:
             assert bool(torch.isneginf(model.get_parameter(path).data[case.heads:]).all())
@@ -411,3 +412,50 @@ def test_pipeline_stage_skips_missing_layer(gpt_oss_ckpts: dict[int, Path], tmp_
     assert all(is_pp_missing_parameter(n.replace(".self_attn.", ".attn."), model) for n in layer1)
     assert report["routed_sinks"] == ["model.layers.0.attn.sinks"]
     assert torch.equal(model.get_parameter("model.layers.0.attn.sinks").data, sent["model.layers.0.self_attn.sinks"])
+
+
+# ---- sink layout probe ----------------------------------------------------------------------------------------------
+
+
+def test_probe_sees_padded_deepseek_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs DeepSeek V4's own ``params_dict[name][:n].copy_`` against a stand-in: heads 0..7 in the
+    first 8 slots, the 8 padded slots unwritten; the live parameter is untouched."""
+    import torch
+
+    from inference_side.router import HeadRange, layout_matches, probe_sink_layout
+
+    model, _ = _build_case(next(c for c in CASES if c.id == "deepseek_v4_padded"), monkeypatch)
+    live = model.get_parameter("model.layers.1.attn.attn_sink")
+    before = live.data.clone()
+    layout = probe_sink_layout(model, "layers.1.attn.attn_sink", "model.layers.1.attn.attn_sink", 8, torch.float32)
+    assert layout == [*range(8), *[None] * 8]
+    assert layout_matches(layout, HeadRange(0, 8, 16))
+    assert torch.equal(live.data, before) and model.get_parameter("model.layers.1.attn.attn_sink") is live
+
+
+def test_probe_flags_sinks_held_globally() -> None:
+    """A sink parameter that holds every head on every rank (MiMo-V2 Omni's vision tower: default loader, sliced
+    in forward) does not match a rank's head range at TP 2, so wb_setup leaves it to the model's own loader
+    instead of writing one shard and -inf over the other ranks' heads."""
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from inference_side.router import layout_matches, probe_sink_layout, sink_head_range
+
+    class GlobalSinks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = torch.nn.Module()
+            self.attn.sinks = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+
+        def load_weights(self, weights: Any) -> None:
+            params = dict(self.named_parameters())
+            for name, tensor in weights:
+                default_weight_loader(params[name], tensor)
+
+    model = GlobalSinks()
+    layout = probe_sink_layout(model, "attn.sinks", "attn.sinks", 8, torch.bfloat16)
+    assert layout == list(range(8))
+    assert layout_matches(layout, sink_head_range(8, 8, 0, 1))  # TP 1: the same thing
+    assert not layout_matches(layout, sink_head_range(8, 8, 1, 2))  # TP 2 rank 1 would read heads 4..7 only
+    assert model.attn.sinks.tolist() == [0.0] * 8
