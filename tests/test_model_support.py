@@ -459,3 +459,21 @@ def test_probe_flags_sinks_held_globally() -> None:
     assert layout_matches(layout, sink_head_range(8, 8, 0, 1))  # TP 1: the same thing
     assert not layout_matches(layout, sink_head_range(8, 8, 1, 2))  # TP 2 rank 1 would read heads 4..7 only
     assert model.attn.sinks.tolist() == [0.0] * 8
+
+
+def test_setup_leaves_sinks_whose_layout_disagrees(gpt_oss_ckpts: dict[int, Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """wb_setup with the worker's TP view at rank 1 of 2 on a TP-1 GPT-OSS model: the model's own code writes all
+    4 heads into each sink, which is not rank 1's range (heads 2..3, padding after), so set-up leaves both sinks
+    unrouted and writes no -inf into them -- what it must do for sinks held globally (MiMo-V2 Omni vision)."""
+    import torch
+    import vllm.distributed
+
+    model, vllm_config = _build_gpt_oss(gpt_oss_ckpts[1], tmp_path, "layout")
+    before = {p: model.get_parameter(p).data.clone() for p in ("model.layers.0.attn.sinks", "model.layers.1.attn.sinks")}
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
+    setup = mh.ModelWorker(model, vllm_config).wb_setup()
+    assert setup["sinks"] == [] and setup["unrouted_sinks"] == sorted(before), setup
+    for path, values in before.items():
+        assert torch.equal(model.get_parameter(path).data, values)
