@@ -30,6 +30,14 @@ logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CHECKPOINT_SEED = 1
+ENGINE_BYTES = 3 << 30  # one more tp1 engine of the smallest model: actor + engine core + worker + 1 GiB KV cache
+
+
+def available_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,7 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
     trainer = Trainer(kind, seed=7)
     engines = Engines(ckpt, 1)
     rows: list[dict[str, Any]] = []
+    skipped: list[int] = []
     versions = Versions()
     try:
         bw = copy_bandwidth(trainer.bytes)
@@ -230,6 +239,12 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
             for count in plan.receivers:
                 if count <= 1:
                     continue
+                need = (count - len(engines.actors)) * ENGINE_BYTES
+                if available_memory() < need + (2 << 30):
+                    logger.warning("skipping %d receivers: %.1f GiB available, about %.1f GiB needed",
+                                   count, available_memory() / (1 << 30), need / (1 << 30))
+                    skipped.append(count)
+                    continue
                 engines.add(ckpt, count - len(engines.actors))
                 m = measure_bridge(trainer, engines, best["transport"], best["mode"], plan, versions)
                 rows.append({"model": kind, "transport": best["transport"], "mode": best["mode"], "receivers": count,
@@ -238,6 +253,8 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
         trainer.close()
         engines.close()
     logger.info("%s done in %.0fs", kind, time.perf_counter() - t0)
+    for count in skipped:
+        rows.append({"model": kind, "receivers": count, "skipped": "not enough memory for the extra engines"})
     return rows
 
 
@@ -274,6 +291,12 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
                    f"(goal <= 1.25), A/bridge={best['baseline_a_over_bridge']:.2f} (goal >= 3)")
         scale = sorted((r for r in rows if r["model"] == model and r["transport"] == best["transport"]
                         and r["mode"] == best["mode"]), key=lambda r: r["receivers"])
+        staged = [r for r in single if r["mode"] == "staged" and r.get("peak_rss_growth_bytes") is not None]
+        streaming = [r for r in single if r["mode"] == "streaming" and r.get("peak_rss_growth_bytes") is not None]
+        if staged and streaming:
+            out.append(f"{model}: peak inference-side RSS growth during a sync: staged "
+                       f"{max(r['peak_rss_growth_bytes'] for r in staged) / 1e6:.0f} MB, streaming "
+                       f"{max(r['peak_rss_growth_bytes'] for r in streaming) / 1e6:.0f} MB (update {best['bytes'] / 1e6:.0f} MB)")
         if len(scale) > 1:
             out.append(f"{model}: receivers " + ", ".join(f"{r['receivers']}: {r['bridge'] / scale[0]['bridge']:.2f}x" for r in scale)
                        + " (goal: 4 receivers <= 1.5x)")
@@ -297,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_model(kind, plan, Path(tmp), scaling=kind == smallest and len(plan.receivers) > 1)
     finally:
         ray.shutdown()
-    rows = [add_ratios(r) for r in rows]
+    skipped_rows = [r for r in rows if "skipped" in r]
+    rows = [add_ratios(r) for r in rows if "skipped" not in r]
     print(table(rows))
+    for r in skipped_rows:
+        print(f"{r['model']}: {r['receivers']} receivers skipped: {r['skipped']}")
     for line in verdict(rows):
         print(line)
     by_model: dict[str, dict[str, Any]] = {}
@@ -308,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 k: r[k] for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes")}
     result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
               "host": platform.node(), "cpus": os.cpu_count(), "reps": plan.reps, "bucket_mb": plan.bucket_mb,
-              "models": by_model, "rows": rows, "verdict": verdict(rows)}
+              "models": by_model, "rows": rows, "skipped": skipped_rows, "verdict": verdict(rows),
+              "load_average": os.getloadavg()}
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     plan.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {plan.out}")

@@ -62,11 +62,17 @@ class _Session:
     loads: list[tuple[int, Future[str]]] = field(default_factory=list)
     loaded: set[int] = field(default_factory=set)
     on_abort: Callable[[str], None] | None = None  # set while a streaming load is open in the engine
+    lent: list[Segment] = field(default_factory=list)  # loaded receive segments a worker may still map
+    spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
 
     def close(self, reason: str = "update abandoned") -> None:
         for bucket in self.buckets.values():
             bucket.segment.close()
         self.buckets.clear()
+        for seg in self.lent + self.spare:
+            seg.close()
+        self.lent.clear()
+        self.spare.clear()
         abort, self.on_abort = self.on_abort, None
         if abort is not None:
             abort(reason)
@@ -159,6 +165,20 @@ class SyncReceiver:
         gate: Any = self.gate
         session.loads.append((bucket.index, self._executor.submit(gate.stream_load, session.manifest, bucket)))
 
+    def _stream_segment(self, session: _Session, size: int) -> Segment:
+        """A receive segment for the next bucket: a spare one that no worker maps any more (its pages are
+        already faulted in), or a new one."""
+        held: frozenset[str] = getattr(self.gate, "stream_held", frozenset)()
+        for seg in [s for s in session.lent if s.name not in held]:
+            session.lent.remove(seg)
+            session.spare.append(seg)
+        fits = [s for s in session.spare if s.size >= size]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            session.spare.remove(seg)
+            return seg
+        return Segment.create("recv", size)
+
     def _stream_progress(self, sock: Any, session: _Session) -> bool:
         """Credit back every bucket loaded so far, in order, and free its staging; on a failed load,
         refuse the update. True when the session was ended."""
@@ -173,7 +193,10 @@ class SyncReceiver:
                 return True
             bucket = session.buckets.pop(index, None)
             if bucket is not None:
-                bucket.segment.close()
+                if bucket.segment.owner:
+                    session.lent.append(bucket.segment)
+                else:
+                    bucket.segment.close()
             session.loaded.add(index)
             if session.pending is None:
                 self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=1))
@@ -205,7 +228,7 @@ class SyncReceiver:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(2 if any(s.loads for s in self._sessions.values()) else 50):
+                if poller.poll(2 if any(s.loads or s.pending for s in self._sessions.values()) else 50):
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -299,7 +322,7 @@ class SyncReceiver:
                 if len(payload) != 1 or len(payload[0].buffer) != size:
                     got = len(payload[0].buffer) if payload else 0
                     raise WireError(f"bucket {header.index}: {got} bytes arrived, manifest says {size} (truncated?)")
-                segment = Segment.create("recv", size)
+                segment = self._stream_segment(session, size) if session.on_abort is not None else Segment.create("recv", size)
                 segment.buffer[:size] = payload[0].buffer
             specs = m.by_bucket()[header.index]
             session.buckets[header.index] = StagedBucket(header.index, segment, specs)

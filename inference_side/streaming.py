@@ -32,6 +32,7 @@ class _Stream:
     begun: bool = False
     errors: list[str] = field(default_factory=list)
     load_s: float = 0.0
+    held: frozenset[str] = frozenset()  # receive segments some rank still maps (a layer not yet complete)
 
 
 def bucket_payload(bucket: StagedBucket) -> dict[str, Any]:
@@ -81,8 +82,14 @@ class StreamingGate:
         t0 = time.perf_counter()
         reports = self.llm.collective_rpc("wb_stream_load", args=(bucket_payload(bucket),))
         stream.load_s += time.perf_counter() - t0
+        stream.held = frozenset(name for r in reports for name in r.get("held", []))
         stream.errors.extend(self._rank_errors(reports))
         return stream.errors[0] if stream.errors else ""
+
+    def stream_held(self) -> frozenset[str]:
+        """Names of receive segments a worker still maps; the receiver reuses only the others."""
+        stream = self._stream
+        return stream.held if stream is not None else frozenset()
 
     def stream_finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
         stream = self._stream

@@ -189,7 +189,8 @@ class WeightSyncWorker:
             logger.error("streaming load failed in worker: %s", traceback.format_exc())
             return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
         self._wb_stream_segments = [(s, st) for s, st in self._wb_stream_segments if not _unmapped(s, st)]
-        return {"ok": True, "rank": rank, "seconds": time.perf_counter() - t0, "mapped": len(self._wb_stream_segments)}
+        return {"ok": True, "rank": rank, "seconds": time.perf_counter() - t0,
+                "held": [seg.name for seg, _ in self._wb_stream_segments]}
 
     def wb_stream_finish(self) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config
