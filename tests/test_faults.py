@@ -106,6 +106,7 @@ def engine(ray_session: Any, checkpoints: Any) -> Any:
         model=str(checkpoints("tiny", 1)), tensor_parallel_size=1, dtype="bfloat16", config=CONFIG, name="fault-engine")
     ray_session.get(actor.endpoint.remote(), timeout=600)
     state = {"actor": actor, "v1_outputs": generate(actor)}
+    oracle([checkpoints("tiny", 2), checkpoints("tiny", 3)], 1, "bfloat16")  # one cold-load process for both
     yield state
     try:
         ray_session.get(actor.shutdown.remote(), timeout=60)
