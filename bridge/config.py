@@ -65,6 +65,11 @@ class SyncConfig:
     # after loading began then restores it instead of leaving the engine degraded
     host_copy: bool = False
 
+    def __post_init__(self) -> None:
+        if self.host_copy and self.mode != "staged":
+            # streaming updates do not refresh the copy yet: restoring it would serve stale weights
+            raise ConfigError("sync.host_copy is only supported with sync.mode: staged")
+
 
 @dataclass(frozen=True)
 class RouterConfig:

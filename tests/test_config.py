@@ -88,6 +88,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("float-gets-str", {"deadlines": {"connect_s": "30s"}}, "config.deadlines.connect_s: expected float, got '30s'"),
     ("float-gets-bool", {"probe": {"max_mean_abs_logprob_diff": True}}, "expected float, got True"),
     ("bucket-mb-str", {"transport": {"bucket_mb": "64"}}, "config.transport.bucket_mb: expected float, got '64'"),
+    ("host-copy-streaming", {"sync": {"host_copy": True, "mode": "streaming"}}, "sync.host_copy is only supported with sync.mode: staged"),
 ]
 
 
