@@ -34,7 +34,12 @@ class CollectiveLink:
         if world < 2 or not 0 <= rank < world:
             raise ConfigError(f"rank {rank} of world {world}: a link needs a sender and at least one receiver")
         self.backend, self.rank, self.world, self.timeout_s = backend, rank, world, timeout_s
-        self.device = "cuda" if backend == "nccl" else "cpu"
+        self.device = "cpu"
+        if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
+            import torch
+
+            self.device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
+            torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=timeout_s)
         try:
             self.store: Any = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
