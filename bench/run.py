@@ -49,6 +49,7 @@ class Plan:
     receivers: tuple[int, ...]
     bucket_mb: float
     out: Path
+    sweep_mb: tuple[float, ...] = ()
 
 
 def parse(argv: list[str] | None) -> Plan:
@@ -60,12 +61,14 @@ def parse(argv: list[str] | None) -> Plan:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--receivers", default="1,2,4", help="receiver counts measured on the smallest model")
     p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--sweep-mb", default="", help="also measure the fastest transport/mode at these bucket sizes (MB, comma-separated)")
     p.add_argument("--out", default=str(RESULTS / "latest.json"))
     a = p.parse_args(argv)
     models = ("50m",) if a.quick else tuple(a.models.split(","))
     reps = 3 if a.quick else a.reps
     receivers = (1, 2) if a.quick and a.receivers == "1,2,4" else tuple(int(x) for x in a.receivers.split(","))
-    return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out))
+    sweep = tuple(float(x) for x in a.sweep_mb.split(",") if x)
+    return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out), sweep)
 
 
 # ---- the trainer process ------------------------------------------------------------------------
@@ -167,11 +170,12 @@ class Versions:
 
 
 def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str, plan: Plan, versions: Versions,
-                   count: int | None = None) -> dict[str, Any]:
+                   count: int | None = None, bucket_mb: float | None = None) -> dict[str, Any]:
     endpoints = engines.endpoints[: count or len(engines.endpoints)]
     pids = engines.pids if count is None or count == len(engines.endpoints) else []
-    engines.set_mode(mode, plan.bucket_mb)
-    config = _config(mode, plan.bucket_mb)
+    bucket_mb = bucket_mb or plan.bucket_mb
+    engines.set_mode(mode, bucket_mb)
+    config = _config(mode, bucket_mb)
     warm = trainer.ask(op="publish", endpoints=endpoints, transport=transport, version=versions.next(), config=config)
     if not warm.get("ok"):
         raise RuntimeError(f"bridge {transport}/{mode} failed: {warm}")
@@ -233,9 +237,15 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
                 logger.info("%s: bridge over %s (%s)", kind, transport, mode)
                 m = measure_bridge(trainer, engines, transport, mode, plan, versions)
                 rows.append({"model": kind, "transport": transport, "mode": mode, "receivers": 1, "bytes": trainer.bytes,
-                             "limit": limit, "copy_gbps": bw / 1e9, **base, **m})
+                             "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, **base, **m})
+        fastest = min(rows, key=lambda r: r["bridge"])
+        for mb in plan.sweep_mb:
+            if mb == plan.bucket_mb:
+                continue
+            m = measure_bridge(trainer, engines, fastest["transport"], fastest["mode"], plan, versions, bucket_mb=mb)
+            rows.append({**fastest, **m, "bucket_mb": mb, "sweep": True})
         if scaling:
-            best = min((r for r in rows if r["receivers"] == 1), key=lambda r: r["bridge"])
+            best = min((r for r in rows if r["receivers"] == 1 and not r.get("sweep")), key=lambda r: r["bridge"])
             for count in plan.receivers:
                 if count <= 1:
                     continue
@@ -248,7 +258,7 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
                 engines.add(ckpt, count - len(engines.actors))
                 m = measure_bridge(trainer, engines, best["transport"], best["mode"], plan, versions)
                 rows.append({"model": kind, "transport": best["transport"], "mode": best["mode"], "receivers": count,
-                             "bytes": trainer.bytes, "limit": limit, "copy_gbps": bw / 1e9, **base, **m})
+                             "bytes": trainer.bytes, "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, **base, **m})
     finally:
         trainer.close()
         engines.close()
@@ -269,13 +279,13 @@ def add_ratios(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':>6} {'transport':>9} {'mode':>9} {'recv':>4} {'MB':>7} {'bridge s':>9} {'A s':>7} {'B s':>7} "
+    head = (f"{'model':>6} {'transport':>9} {'mode':>9} {'bktMB':>5} {'recv':>4} {'MB':>7} {'bridge s':>9} {'A s':>7} {'B s':>7} "
             f"{'limit s':>8} {'bridge/B':>8} {'A/bridge':>8} {'br/limit':>8} {'GB/s':>6} {'peakMB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         peak = r.get("peak_rss_growth_bytes")
         lines.append(
-            f"{r['model']:>6} {r['transport']:>9} {r['mode']:>9} {r['receivers']:>4} {r['bytes'] / 1e6:>7.0f} "
+            f"{r['model']:>6} {r['transport']:>9} {r['mode']:>9} {r.get('bucket_mb', 0):>5g} {r['receivers']:>4} {r['bytes'] / 1e6:>7.0f} "
             f"{r['bridge']:>9.3f} {r['baseline_a']:>7.3f} {r['baseline_b']:>7.3f} {r['limit']:>8.3f} "
             f"{r['bridge_over_baseline_b']:>8.2f} {r['baseline_a_over_bridge']:>8.2f} {r['bridge_over_limit']:>8.1f} "
             f"{r['bridge_gbps']:>6.2f} {'' if peak is None else f'{peak / 1e6:.0f}':>7}")
@@ -285,12 +295,17 @@ def table(rows: list[dict[str, Any]]) -> str:
 def verdict(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for model in sorted({r["model"] for r in rows}, key=lambda m: rows[[x["model"] for x in rows].index(m)]["bytes"]):
-        single = [r for r in rows if r["model"] == model and r["receivers"] == 1]
+        single = [r for r in rows if r["model"] == model and r["receivers"] == 1 and not r.get("sweep")]
         best = min(single, key=lambda r: r["bridge"])
         out.append(f"{model}: fastest {best['transport']}/{best['mode']}: bridge/B={best['bridge_over_baseline_b']:.2f} "
                    f"(goal <= 1.25), A/bridge={best['baseline_a_over_bridge']:.2f} (goal >= 3)")
         scale = sorted((r for r in rows if r["model"] == model and r["transport"] == best["transport"]
-                        and r["mode"] == best["mode"]), key=lambda r: r["receivers"])
+                        and r["mode"] == best["mode"] and not r.get("sweep")), key=lambda r: r["receivers"])
+        sweep = sorted((r for r in rows if r["model"] == model and r["receivers"] == 1 and r["transport"] == best["transport"]
+                        and r["mode"] == best["mode"]), key=lambda r: r.get("bucket_mb", 0))
+        if len(sweep) > 1:
+            out.append(f"{model}: {best['transport']}/{best['mode']} by bucket size: "
+                       + ", ".join(f"{r.get('bucket_mb', 0):g} MB {r['bridge']:.3f}s" for r in sweep))
         staged = [r for r in single if r["mode"] == "staged" and r.get("peak_rss_growth_bytes") is not None]
         streaming = [r for r in single if r["mode"] == "streaming" and r.get("peak_rss_growth_bytes") is not None]
         if staged and streaming:
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     by_model: dict[str, dict[str, Any]] = {}
     for r in rows:
-        if r["receivers"] == 1:
+        if r["receivers"] == 1 and not r.get("sweep"):
             by_model.setdefault(r["model"], {})[f"{r['transport']}/{r['mode']}"] = {
                 k: r[k] for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes")}
     result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
