@@ -130,6 +130,26 @@ def _distributed() -> Any:
     mh.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _restore_hugging_face_classes() -> Any:
+    """vLLM's Transformers backend wraps Hugging Face model classes in place (``support_torch_compile``
+    replaces ``__init__``); undo it after each test, or later tests in this process that build plain
+    Hugging Face GPT-OSS models (checkpoints, trainers) fail with "Current vLLM config is not set"."""
+    import inspect
+
+    from transformers.models.gpt_oss import modeling_gpt_oss as module
+
+    classes = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
+    saved = {c: dict(vars(c)) for c in classes}
+    yield
+    for cls, attrs in saved.items():
+        for name in set(vars(cls)) - set(attrs):
+            delattr(cls, name)
+        for name, value in attrs.items():
+            if name not in ("__dict__", "__weakref__") and vars(cls).get(name) is not value:
+                setattr(cls, name, value)
+
+
 def _config(case: Case) -> dict[str, Any]:
     from bridge.tiny_models import gpt_oss_config
 
