@@ -277,6 +277,8 @@ class InferenceServer(StreamingGate):
             vals = [r.get("seconds", {}).get(phase, 0.0) for r in reports if r.get("ok")]
             if vals:
                 seconds[phase] = max(vals)
+        # The engine's wall time of the whole sync, manifest in -> applied: what GB/s and the charts use.
+        seconds.setdefault("total", seconds.get("stream_total", seconds.get("transfer", 0.0) + seconds.get("apply", 0.0)))
         stale = tuple(s for r in reports for s in r.get("stale", []))
         if not ok and reason and "stale" in reason:
             stale = stale or tuple(p.strip() for p in reason.split(";"))
