@@ -133,6 +133,23 @@ def _start_dashboard(gcs: str) -> tuple[subprocess.Popen[str], str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _render_dashboard(url: str) -> Any:
+    """The live dashboard in headless Chromium after the job's syncs: its DOM, and a screenshot artefact."""
+    from tests.conftest import ARTIFACTS
+    from tests.test_dashboard import CHROMIUM, DomParser, chromium
+
+    if not CHROMIUM.exists():
+        return None
+    ARTIFACTS.mkdir(exist_ok=True)
+    chromium("--virtual-time-budget=5000", f"--screenshot={ARTIFACTS / 'dashboard-live.png'}", "--window-size=1280,900",
+             f"{url}/", timeout=180)
+    proc = chromium("--virtual-time-budget=5000", "--dump-dom", f"{url}/", timeout=180)
+    (ARTIFACTS / "dashboard-live.html").write_text(proc.stdout)
+    parser = DomParser()
+    parser.feed(proc.stdout)
+    return parser.root
+
+
 @pytest.fixture(scope="module")
 def job(head: Any) -> Any:
     """Submit the GRPO job, watch it (and its actor through the dashboard) until it ends."""
@@ -157,13 +174,15 @@ def job(head: Any) -> Any:
             status = _job_status(address, submission_id)
         if status not in TERMINAL:
             _ray("job", "stop", "--address", address, submission_id)
+        page = _render_dashboard(url)
     finally:
         dashboard.terminate()
         dashboard.wait(30)
     logs = _ray("job", "logs", "--address", address, submission_id).stdout
     lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
     return {"status": status, "logs": logs, "steps": [x for x in lines if "step" in x],
-            "summary": next((x["summary"] for x in lines if "summary" in x), None), "views": views}
+            "summary": next((x["summary"] for x in lines if "summary" in x), None), "views": views,
+            "page": page}
 
 
 def test_job_succeeds_and_every_sync_passed(job: Any) -> None:
@@ -193,3 +212,19 @@ def test_dashboard_polls_the_named_actor(job: Any) -> None:
     assert seen, f"the dashboard never saw engine {ACTOR}: {job['views'][-3:]}"
     assert max(e["version"] for e in seen) == STEPS, seen[-1]
     assert any(e.get("health") == "ok" for e in seen), seen[-1]
+
+
+def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
+    """Headless Chromium on the dashboard that followed the job: one latency and one throughput point per
+    sync of the job's engine, no alert, and a screenshot kept as artifacts/dashboard-live.png."""
+    from tests.conftest import ARTIFACTS
+
+    page = job["page"]
+    if page is None:
+        pytest.skip("/usr/bin/chromium is absent: run scripts/setup_system.sh")
+    for chart in ("chart-latency", "chart-throughput", "chart-probe"):
+        points = [p for p in page.find(chart).find_all("chart-point") if p.attrs.get("data-engine") == ACTOR]
+        assert len(points) == STEPS, (f"{chart}: {len(points)} points for {ACTOR}, expected one per sync ({STEPS}); "
+                                      f"page in {ARTIFACTS / 'dashboard-live.html'}")
+    shot = (ARTIFACTS / "dashboard-live.png").read_bytes()
+    assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 30_000, "the screenshot is missing or blank"
