@@ -136,6 +136,7 @@ def _raw_bucket(actor: Any, identity: bytes, data: bytes, checksum: int, payload
 @pytest.mark.parametrize(("case", "expected"), [
     ("checksum", "tensor model.norm.weight: checksum mismatch"),
     ("truncated", "100 bytes arrived, manifest says 256 (truncated?)"),
+    ("nonfinite", "tensor model.norm.weight: holds NaN or Inf (policy sync.nonfinite=reject)"),
 ])
 def test_bad_bucket_refused_and_nothing_applied(dense: Any, case: str, expected: str) -> None:
     import ray
@@ -149,6 +150,12 @@ def test_bad_bucket_refused_and_nothing_applied(dense: Any, case: str, expected:
     data = torch.full((128,), 3.0, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
     if case == "checksum":
         ack = _raw_bucket(actor, b"bad-checksum", data, zlib.crc32(data) ^ 1, data)
+    elif case == "nonfinite":
+        values = torch.full((128,), 3.0, dtype=torch.bfloat16)
+        values[7] = float("nan")
+        values[9] = float("inf")
+        bad = values.view(torch.uint8).numpy().tobytes()
+        ack = _raw_bucket(actor, b"bad-nonfinite", bad, zlib.crc32(bad), bad)
     else:
         ack = _raw_bucket(actor, b"bad-truncated", data, zlib.crc32(data), data[:100])
     assert not ack.ok
