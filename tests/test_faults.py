@@ -84,6 +84,31 @@ def mid_stream(actor: Any, version: int, staged: int = 2) -> dict[str, Any]:
                       60, f"a partial update of v{version} on the engine")
 
 
+def _publish_interrupted(pub: Any, weights: list[tuple[str, Any]], version: int, actor: Any,
+                         interrupt: Callable[[], Any]) -> Any:
+    """Publish on a thread with slowed packing, call ``interrupt`` once the engine holds part of the
+    update, and return the UpdateFailed the publisher raised (it must not hang)."""
+    from bridge.errors import UpdateFailed
+
+    errors: list[UpdateFailed] = []
+
+    def run() -> None:
+        try:
+            pub.publish(weights, version=version)
+        except UpdateFailed as exc:
+            errors.append(exc)
+
+    with slow_packing(0.2):
+        worker = threading.Thread(target=run)
+        worker.start()
+        mid_stream(actor, version)
+        interrupt()
+        worker.join(60)
+    assert not worker.is_alive(), "publish hung after the interruption"
+    assert len(errors) == 1, "publish did not fail after the interruption"
+    return errors[0]
+
+
 def actor_tree(actor: Any) -> tuple[int, set[int]]:
     import os
 
@@ -204,31 +229,15 @@ class Proxy:
 def test_connection_cut_and_restored(engine: Any, checkpoints: Any) -> None:
     import ray
 
-    from bridge.errors import UpdateFailed
     from trainer_side import WeightPublisher
 
     actor = engine["actor"]
     version, _ = _served(actor)
     before = generate(actor)
     proxy = Proxy(ray.get(actor.endpoint.remote()))
-    errors: list[BaseException] = []
     try:
         with WeightPublisher([proxy.endpoint], config=_config()) as pub:
-            def run() -> None:
-                try:
-                    pub.publish(_weights(2), version=version + 1)
-                except UpdateFailed as exc:
-                    errors.append(exc)
-
-            with slow_packing(0.2):
-                worker = threading.Thread(target=run)
-                worker.start()
-                mid_stream(actor, version + 1)
-                proxy.kill()  # the cut
-                worker.join(60)
-            assert not worker.is_alive(), "publish hung after the connection was cut"
-            (err,) = errors
-            assert isinstance(err, UpdateFailed)
+            err = _publish_interrupted(pub, _weights(2), version + 1, actor, proxy.kill)  # the cut
             reason = err.reasons[proxy.endpoint]
             assert "DeadlineExceeded: bucket" in reason and "no answer within 3.0s" in reason, reason
             assert proxy.endpoint in str(err)
@@ -344,7 +353,6 @@ def test_actor_killed_mid_update_comes_back_through_ray(engine: Any, checkpoints
     import psutil
     import ray
 
-    from bridge.errors import UpdateFailed
     from trainer_side import WeightPublisher
 
     actor = engine["actor"]
@@ -355,23 +363,9 @@ def test_actor_killed_mid_update_comes_back_through_ray(engine: Any, checkpoints
             assert pub.publish(_weights(2), version=1).ok
         version = 1
     _pid, old_tree = actor_tree(actor)
-    errors: list[BaseException] = []
     with WeightPublisher([endpoint], config=_config()) as pub:
-        def run() -> None:
-            try:
-                pub.publish(_weights(3), version=version + 1)
-            except UpdateFailed as exc:
-                errors.append(exc)
-
-        with slow_packing(0.2):
-            worker = threading.Thread(target=run)
-            worker.start()
-            mid_stream(actor, version + 1)
-            ray.kill(actor, no_restart=False)
-            worker.join(60)
-    assert not worker.is_alive(), "publish hung after the engine died"
-    (err,) = errors
-    assert isinstance(err, UpdateFailed) and endpoint in err.reasons, err
+        err = _publish_interrupted(pub, _weights(3), version + 1, actor, lambda: ray.kill(actor, no_restart=False))
+    assert endpoint in err.reasons, err
     assert f"{endpoint}: DeadlineExceeded: bucket" in str(err), err
     # Ray restarts the actor (max_restarts=1): it cold-loads v1 and says so
     deadline = time.monotonic() + 600
