@@ -27,6 +27,7 @@ class SyncRecord:
     probe_kl: float | None = None
     probe_flagged: bool = False
     noop: bool = False
+    transport: str = ""  # the data plane the update's bytes came over (zmq, shm, gloo, nccl)
     timestamp: float = field(default_factory=time.time)
 
     @property

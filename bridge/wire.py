@@ -255,6 +255,21 @@ class BucketHeader:
 
 
 @dataclass(frozen=True)
+class LinkOffer:
+    """Join collective link ``link`` (``backend`` gloo or nccl) as ``rank`` of ``world``: the publisher's
+    private TCPStore listens on ``host:port``. Sent before Begin when the transport is collective; bucket
+    bytes then travel over the link, each right after its header."""
+
+    link: str
+    backend: str
+    host: str
+    port: int
+    rank: int
+    world: int
+    type: str = field(default="link", init=False)
+
+
+@dataclass(frozen=True)
 class End:
     version: int
     type: str = field(default="end", init=False)
@@ -294,7 +309,7 @@ class Ack:
     type: str = field(default="ack", init=False)
 
 
-Message = Hello | EngineInfo | Begin | BucketHeader | End | Abort | Credit | Heartbeat | Ack
+Message = Hello | EngineInfo | Begin | BucketHeader | LinkOffer | End | Abort | Credit | Heartbeat | Ack
 
 
 def encode(msg: Message) -> bytes:
@@ -353,6 +368,18 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
                 index=_int(raw.get("index"), "bucket index", 0, 1 << 31),
                 checksums=tuple(_int(c, "checksum", 0, 0xFFFFFFFF) for c in sums),  # type: ignore[union-attr]
                 segment=_str(raw.get("segment", ""), "segment", 255),
+            )
+        if kind == "link":
+            backend = _str(raw.get("backend"), "link.backend", 16)
+            _require(backend in ("gloo", "nccl"), f"link.backend must be gloo or nccl, got {_brief(backend)}")
+            world = _int(raw.get("world"), "link.world", 2, 1 << 16)
+            return LinkOffer(
+                link=_str(raw.get("link"), "link.link", 64),
+                backend=backend,
+                host=_str(raw.get("host"), "link.host", 255),
+                port=_int(raw.get("port"), "link.port", 1, 65535),
+                rank=_int(raw.get("rank"), "link.rank", 1, world - 1),
+                world=world,
             )
         if kind == "end":
             return End(version=_int(raw.get("version"), "version"))

@@ -19,8 +19,10 @@ from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
 from bridge.shm import Segment
+from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
 logger = logging.getLogger(__name__)
+COLLECTIVE = ("gloo", "nccl")
 
 
 @dataclass
@@ -64,6 +66,8 @@ class _Session:
     on_abort: Callable[[str], None] | None = None  # set while a streaming load is open in the engine
     lent: list[Segment] = field(default_factory=list)  # loaded receive segments a worker may still map
     spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
+    ended: wire.End | None = None  # End arrived while collective receives were still in flight
+    checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still arriving
 
     def close(self, reason: str = "update abandoned") -> None:
         for bucket in self.buckets.values():
@@ -125,6 +129,7 @@ class SyncReceiver:
         self.endpoint = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -228,17 +233,24 @@ class SyncReceiver:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(2 if any(s.loads or s.pending for s in self._sessions.values()) else 50):
+                busy = self._inbox.busy or any(s.loads or s.pending for s in self._sessions.values())
+                if poller.poll(1 if self._inbox.busy else 2 if busy else 50):
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._handle(sock, frames)
+                done = self._inbox.poll()
+                for recv in done:
+                    self._received(sock, recv)
+                for identity in {recv.identity for recv in done}:
+                    self._ended(sock, identity)
                 self._tick(sock)
         finally:
             for session in self._sessions.values():
                 session.close()
+            self._inbox.close()
             sock.close(0)
 
     def _send(self, sock: Any, identity: bytes, msg: wire.Message) -> None:
@@ -273,6 +285,11 @@ class SyncReceiver:
             self._send(sock, identity, self.gate.info())
         elif isinstance(msg, wire.Begin):
             self._begin(sock, identity, msg.manifest)
+        elif isinstance(msg, wire.LinkOffer):
+            try:
+                self._inbox.offer(identity, msg)
+            except BridgeError as exc:
+                self._fail(sock, identity, 0, f"{type(exc).__name__}: {exc}")
         elif isinstance(msg, wire.BucketHeader):
             self._bucket(sock, identity, msg, frames[2:])
         elif isinstance(msg, wire.End):
@@ -296,6 +313,11 @@ class SyncReceiver:
         if noop:
             self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report={"noop": True}))
             return
+        if manifest.transport in COLLECTIVE:
+            if not self._inbox.has_link(identity):
+                self._fail(sock, identity, manifest.version, f"TransportError: transport {manifest.transport} needs a collective "
+                           "link, and this publisher offered none (or it was dropped after a failure)")
+                return
         now = time.monotonic()
         session = self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
         if self._streaming():
@@ -318,31 +340,75 @@ class SyncReceiver:
                 if m.transport != "shm":
                     raise WireError("bucket names a shared-memory segment but the manifest's transport is not shm")
                 segment = Segment.attach(header.segment, size)
+            elif m.transport in COLLECTIVE:
+                if payload:
+                    raise WireError(f"bucket {header.index}: bytes arrived as a ZMQ frame, but the transport is {m.transport}")
+                segment = self._stream_segment(session, size) if session.on_abort is not None else Segment.create("recv", size)
+                try:
+                    self._inbox.post(identity, m.version, header.index, segment)
+                except BridgeError:
+                    segment.close()
+                    raise
+                session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
+                session.checksums[header.index] = header.checksums
+                return
             else:
                 if len(payload) != 1 or len(payload[0].buffer) != size:
                     got = len(payload[0].buffer) if payload else 0
                     raise WireError(f"bucket {header.index}: {got} bytes arrived, manifest says {size} (truncated?)")
                 segment = self._stream_segment(session, size) if session.on_abort is not None else Segment.create("recv", size)
                 segment.buffer[:size] = payload[0].buffer
-            specs = m.by_bucket()[header.index]
-            session.buckets[header.index] = StagedBucket(header.index, segment, specs)
-            session.bytes_in += size
-            if self.config.sync.verify_checksums:
-                verify_bucket(segment.buffer, specs, header.checksums, self.config.sync.nonfinite, m.checksum)
         except BridgeError as exc:
             self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
             return
+        self._staged(sock, session, header.index, segment, header.checksums, t0)
+
+    def _staged(self, sock: Any, session: _Session, index: int, segment: Segment, checksums: tuple[int, ...], t0: float) -> None:
+        """Bucket ``index`` lies complete in ``segment``: verify it, then load it (streaming) or credit it back."""
+        m = session.manifest
+        specs = m.by_bucket()[index]
+        session.buckets[index] = StagedBucket(index, segment, specs)
+        session.bytes_in += m.bucket_sizes[index]
+        try:
+            if self.config.sync.verify_checksums:
+                verify_bucket(segment.buffer, specs, checksums, self.config.sync.nonfinite, m.checksum)
+        except BridgeError as exc:
+            self._fail(sock, session.identity, m.version, f"{type(exc).__name__}: {exc}")
+            return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
         if session.on_abort is not None:
-            self._stream_load(session, session.buckets[header.index])
+            self._stream_load(session, session.buckets[index])
             return
-        self._send(sock, identity, wire.Credit(version=m.version, n=1))
+        self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
+
+    # ---- collective data plane -----------------------------------------------------------------
+    def _received(self, sock: Any, recv: PendingRecv) -> None:
+        """A collective receive finished: stage its bucket, or drop it when its update is gone."""
+        session = self._sessions.get(recv.identity)
+        if session is None or session.manifest.version != recv.version:
+            recv.segment.close()
+            return
+        if recv.error:
+            recv.segment.close()
+            self._fail(sock, recv.identity, recv.version, f"TransportError: {recv.error}")
+            return
+        self._staged(sock, session, recv.index, recv.segment, session.checksums.pop(recv.index, ()), time.perf_counter())
+
+    def _ended(self, sock: Any, identity: bytes) -> None:
+        """Finish an update whose End arrived before its last collective receive landed."""
+        session = self._sessions.get(identity)
+        if session is not None and session.ended is not None and session.pending is None and not self._inbox.pending_for(identity):
+            self._end(sock, identity, session.ended)
 
     def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
         session = self._sessions.get(identity)
         if session is None or msg.version != session.manifest.version:
             self._fail(sock, identity, msg.version, "end of an update that was never begun")
             return
+        if self._inbox.pending_for(identity):
+            session.ended = msg  # finished once the last receive lands (see _ended)
+            return
+        session.ended = None
         missing = sorted(set(range(len(session.manifest.bucket_sizes))) - set(session.buckets) - session.loaded)
         if missing:
             self._fail(sock, identity, msg.version, f"update ended with buckets {missing[:10]} missing")

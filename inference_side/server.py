@@ -131,9 +131,16 @@ class InferenceServer(StreamingGate):
         return self.llm.collective_rpc("wb_test_only_arm_failure", args=(name,))
 
     # ---- EngineGate ---------------------------------------------------------------------------
+    @staticmethod
+    def _transports() -> tuple[str, ...]:
+        """Every data plane this host can receive on (NCCL only where a GPU is visible)."""
+        import torch
+
+        return tuple(t for t in available_transports() if t != "nccl" or torch.cuda.is_available())
+
     def info(self) -> wire.EngineInfo:
         return wire.EngineInfo(dtype=self.dtype, version=self._version, tp_size=self.tp_size,
-                               transports=tuple(available_transports()), host=socket.gethostname())
+                               transports=self._transports(), host=socket.gethostname())
 
     def validate(self, manifest: wire.Manifest) -> str | None:
         if manifest.version < self._version:
@@ -290,6 +297,7 @@ class InferenceServer(StreamingGate):
             identity_violations=tuple(v for r in reports for v in r.get("identity_violations", [])),
             routed_sinks=max((len(r.get("routed_sinks", [])) for r in reports), default=0),
             routed_bypass=max((len(r.get("routed_bypass", [])) for r in reports), default=0),
+            transport=manifest.transport,
             **(probe or {}),
         )
         self._records.append(record)

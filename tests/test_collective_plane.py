@@ -131,6 +131,148 @@ def test_gloo_receiver_times_out_with_clear_error() -> None:
     assert waited < 30, f"gave up only after {waited:.1f}s"
 
 
+# ---- the plane behind the publisher and the receiver -------------------------------------------------
+# Real WeightPublisher and SyncReceivers over real sockets and a real gloo group; the engine behind each
+# receiver is a small gate that compares every byte it would load with what the trainer published.
+
+def _weights(version: int, poison: str = "") -> list[tuple[str, Any]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(version)
+    out = [(f"model.layers.{i}.mlp.weight", torch.randn(3000 + 17 * i, generator=gen).to(torch.bfloat16)) for i in range(12)]
+    if poison:
+        out = [(n, torch.full_like(t, float("nan")) if n == poison else t) for n, t in out]
+    return out
+
+
+class _ByteGate:
+    """An engine stand-in that checks the staged bytes of every tensor against the expected weights."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, Any] = {}
+        self.applied: list[int] = []
+
+    def info(self) -> Any:
+        from bridge import wire
+
+        return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq", "gloo", "nccl"), host="test")
+
+    def validate(self, manifest: Any) -> str | None:
+        return None
+
+    def apply(self, manifest: Any, buckets: list[Any], timings: dict[str, float]) -> Any:
+        import torch
+
+        from inference_side.receiver import ApplyResult
+
+        got = {s.name: torch.frombuffer(b.segment.buffer, dtype=torch.uint8)[s.offset : s.offset + s.nbytes].view(torch.bfloat16)
+               for b in buckets for s in b.specs}
+        wrong = [n for n, t in self.expected.items() if n not in got or not torch.equal(got[n], t)]
+        if wrong:
+            return ApplyResult(False, f"bytes differ: {wrong}")
+        self.applied.append(manifest.version)
+        return ApplyResult(True)
+
+
+def _small() -> Any:
+    from bridge.config import config_from_dict
+
+    return config_from_dict({"transport": {"bucket_mb": 0.02, "depth": 2}, "deadlines": {"connect_s": 20, "bucket_s": 20}})
+
+
+def _receivers(n: int) -> tuple[list[Any], list[_ByteGate]]:
+    from inference_side.receiver import SyncReceiver
+
+    config = _small()
+    gates = [_ByteGate() for _ in range(n)]
+    rxs = [SyncReceiver(g, config) for g in gates]
+    for rx in rxs:
+        rx.start()
+    return rxs, gates
+
+
+def test_gloo_plane_publisher_to_two_receivers_bit_exact_link_kept() -> None:
+    """Three versions to two receivers over one gloo link (rank 0 -> ranks 1, 2): every byte each receiver
+    staged equals what was published, and the link is made once, not once per update."""
+    _plane_to_two_receivers("gloo")
+
+
+@pytest.mark.gpu
+def test_nccl_plane_publisher_to_two_receivers_bit_exact_link_kept() -> None:
+    """The same through NCCL (one GPU per rank: 3 GPUs); receives land in GPU buffers, copied to the segments."""
+    import torch
+
+    if torch.cuda.device_count() < 3:
+        pytest.skip("NCCL needs one GPU per rank: 3 GPUs for a publisher and two receivers")
+    _plane_to_two_receivers("nccl")
+
+
+def _plane_to_two_receivers(backend: str) -> None:
+    from trainer_side import WeightPublisher
+
+    rxs, gates = _receivers(2)
+    try:
+        with WeightPublisher([rx.endpoint for rx in rxs], config=_small(),
+                             transport=backend) as pub:
+            for version in (1, 2, 3):
+                weights = _weights(version)
+                for g in gates:
+                    g.expected = dict(weights)
+                report = pub.publish(weights, version)
+                assert report.ok and len(report.engines) == 2, report
+            links_made = pub._planes[backend].links_made  # type: ignore[attr-defined]
+        assert [g.applied for g in gates] == [[1, 2, 3], [1, 2, 3]]
+        assert links_made == 1, f"{links_made} gloo links made for three good updates"
+    finally:
+        for rx in rxs:
+            rx.stop()
+
+
+def test_gloo_plane_refused_mid_update_then_recovers() -> None:
+    """Bucket 3 of 12 holds NaN: the receiver refuses the update naming the tensor, still drains the
+    buckets already on the link, applies nothing; the next update (on a new link) is applied bit-exact."""
+    from bridge.errors import UpdateFailed
+    from trainer_side import WeightPublisher
+
+    rxs, gates = _receivers(1)
+    try:
+        with WeightPublisher(rxs[0].endpoint, config=_small(), transport="gloo") as pub:
+            bad = "model.layers.3.mlp.weight"
+            with pytest.raises(UpdateFailed, match=f"tensor {bad}: holds NaN or Inf"):
+                pub.publish(_weights(1, poison=bad), 1)
+            assert gates[0].applied == []
+            weights = _weights(2)
+            gates[0].expected = dict(weights)
+            assert pub.publish(weights, 2).ok
+            links_made = pub._planes["gloo"].links_made  # type: ignore[attr-defined]
+        assert gates[0].applied == [2]
+        assert links_made == 2, "a failed update must drop the link; the next one offers a new link"
+    finally:
+        for rx in rxs:
+            rx.stop()
+
+
+def test_gloo_plane_refused_when_the_engine_does_not_offer_it() -> None:
+    from bridge.config import config_from_dict
+    from bridge.errors import TransportError
+    from inference_side.receiver import SyncReceiver
+    from trainer_side import WeightPublisher
+
+    class ZmqOnly(_ByteGate):
+        def info(self) -> Any:
+            from bridge import wire
+
+            return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq",), host="test")
+
+    rx = SyncReceiver(ZmqOnly(), config_from_dict({}))
+    rx.start()
+    try:
+        with WeightPublisher(rx.endpoint, transport="gloo") as pub, pytest.raises(TransportError, match="transport 'gloo' is not offered"):
+            pub.publish(_weights(1), 1)
+    finally:
+        rx.stop()
+
+
 def test_unknown_backend_is_a_config_error() -> None:
     from bridge.errors import ConfigError
     from bridge.transports.collective_plane import CollectiveLink
@@ -142,5 +284,8 @@ def test_unknown_backend_is_a_config_error() -> None:
 if __name__ == "__main__":  # scripts/gpu_nccl_check.sh: python -m tests.test_collective_plane nccl
     import sys
 
-    _broadcast_to_two(sys.argv[1] if len(sys.argv) > 1 else "gloo")
-    print(f"{sys.argv[1] if len(sys.argv) > 1 else 'gloo'} collective plane: broadcast to two receivers bit-exact")
+    backend = sys.argv[1] if len(sys.argv) > 1 else "gloo"
+    _broadcast_to_two(backend)
+    print(f"{backend} collective link: broadcast to two receivers bit-exact")
+    _plane_to_two_receivers(backend)
+    print(f"{backend} data plane: publisher -> two receivers, three versions bit-exact, one link")

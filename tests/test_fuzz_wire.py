@@ -49,6 +49,7 @@ SAMPLES: list[wire.Message] = [
     wire.EngineInfo(dtype="bfloat16", version=4, tp_size=2, transports=("zmq", "shm"), host="h"),
     wire.Begin(_MANIFEST),
     wire.BucketHeader(version=5, index=1, checksums=(1, 2), segment="wb-x"),
+    wire.LinkOffer(link="ab12", backend="gloo", host="127.0.0.1", port=29500, rank=1, world=3),
     wire.End(version=5),
     wire.Abort(version=5, reason="stop"),
     wire.Credit(version=5, n=2),

@@ -26,7 +26,7 @@ def engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
     from bench.engine import bench_actor
 
     v1 = checkpoints("tiny", 1)
-    seeds = {"shm": 2, "stream-zmq": 3, "stream-shm": 4, "recover": 5}
+    seeds = {"shm": 2, "stream-zmq": 3, "stream-shm": 4, "recover": 5, "gloo": 6, "stream-gloo": 7, "gloo-2": 8}
     ckpts = {k: checkpoints("tiny", s) for k, s in seeds.items()}
     cold = dict(zip(ckpts, oracle(list(ckpts.values()), 1, "bfloat16"), strict=True))
     actor = bench_actor().remote(model=str(v1), tensor_parallel_size=1, dtype="bfloat16", config=SMALL_BUCKETS)
@@ -71,6 +71,43 @@ def test_streaming_shm_matches_cold_load(engine: Any) -> None:
     record = _publish(engine, "stream-shm", "shm", "streaming")
     assert "stream_load" in record["seconds"], record
     assert_same_outputs(generate(engine["actor"]), engine["cold"]["stream-shm"])
+
+
+def test_gloo_transport_matches_cold_load(engine: Any) -> None:
+    """The collective plane end to end: a trainer process offers a private gloo group over ZMQ, the engine
+    joins it, every bucket travels as a point-to-point gloo send; the result equals a cold-loaded engine."""
+    record = _publish(engine, "gloo", "gloo", "staged")
+    assert record["transport"] == "gloo", record
+    assert_same_outputs(generate(engine["actor"]), engine["cold"]["gloo"])
+
+
+def test_streaming_gloo_matches_cold_load(engine: Any) -> None:
+    record = _publish(engine, "stream-gloo", "gloo", "streaming")
+    assert record["transport"] == "gloo" and "stream_load" in record["seconds"], record
+    assert_same_outputs(generate(engine["actor"]), engine["cold"]["stream-gloo"])
+
+
+def test_gloo_refused_update_keeps_serving_and_next_link_works(engine: Any) -> None:
+    """A gloo update the engine refuses (a tensor it does not have, found at the manifest) leaves the served
+    weights alone; the trainer's next gloo update on a new link is applied and equals the oracle."""
+    import ray
+
+    from trainer_side.publisher import WeightPublisher
+
+    actor = engine["actor"]
+    ray.get(actor.set_config.remote({**SMALL_BUCKETS, "sync": {"mode": "staged"}}))
+    before = generate(actor)
+    version = ray.get(actor.version.remote())
+    with WeightPublisher(ray.get(actor.endpoint.remote()), config=str(engine["config"]), transport="gloo") as pub:
+        import torch
+
+        with pytest.raises(Exception, match="unknown tensor name 'model.not_a_layer.weight'"):
+            pub.publish({"model.not_a_layer.weight": torch.zeros(4, dtype=torch.bfloat16)}, version + 1)
+    assert ray.get(actor.version.remote()) == version
+    assert_same_outputs(generate(actor), before)
+    record = _publish(engine, "gloo-2", "gloo", "staged")
+    assert record["transport"] == "gloo", record
+    assert_same_outputs(generate(actor), engine["cold"]["gloo-2"])
 
 
 def test_streaming_failure_after_loading_began_degrades_then_recovers(engine: Any) -> None:

@@ -77,7 +77,7 @@ def parse(argv: list[str] | None = None) -> TrainerArgs:
     p.add_argument("--version", type=int, default=1, help="version of the first publish")
     p.add_argument("--save-dir", help="also save each published version as a checkpoint here")
     p.add_argument("--config", help="config YAML (default: configs/default.yaml)")
-    p.add_argument("--transport", help="zmq or shm (default: from config)")
+    p.add_argument("--transport", help="zmq, shm, gloo or nccl (default: from config)")
     p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
                    help="send the parity probe (trainer's float32 logprobs of fixed sequences) with each version")
     a = p.parse_args(argv)

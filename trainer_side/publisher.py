@@ -18,7 +18,7 @@ from bridge import wire
 from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
-from bridge.transports import send_plane
+from bridge.transports import COLLECTIVE_BACKENDS, send_plane
 from bridge.transports.base import SendPlane
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
 
@@ -113,7 +113,9 @@ class WeightPublisher:
     def _plane(self) -> SendPlane:
         plane = self._planes.get(self.transport)
         if plane is None:
-            plane = self._planes[self.transport] = send_plane(self.transport)
+            tcfg = self.config.transport
+            options = {"host": tcfg.collective_host, "timeout_s": self.config.deadlines.connect_s} if self.transport in COLLECTIVE_BACKENDS else {}
+            plane = self._planes[self.transport] = send_plane(self.transport, **options)
         plane.configure(self.config.transport.depth)
         return plane
 
@@ -203,11 +205,19 @@ class WeightPublisher:
         if len(dtypes) != 1:
             raise TransportError(f"engines serve different dtypes {sorted(dtypes)}; publish to each group separately")
         dtype = dtypes.pop()
+        lacking = [p.endpoint for p in self._peers if p.info and self.transport not in p.info.transports]
+        if lacking:
+            raise TransportError(f"transport {self.transport!r} is not offered by {lacking} (they offer "
+                                 f"{sorted({t for p in self._peers if p.info for t in p.info.transports})})")
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
                                  publisher=self.name, transport=self.transport, probe=probe, checksum=preferred_checksum())
         plane = self._plane()
+        offers = plane.offers([p.endpoint for p in self._peers])
+        for peer, offer in zip(self._peers, offers, strict=False):
+            self._send(peer, offer)
+        plane.connect()
         for peer in self._peers:
             peer.credit, peer.ack = 0, None
             self._send(peer, wire.Begin(manifest))
@@ -225,10 +235,11 @@ class WeightPublisher:
                 header = wire.BucketHeader(version=version, index=index, checksums=tuple(sums), segment=out.segment)
                 active = [p for p in self._peers if p.ack is None]
                 self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.bucket_s, f"bucket {index}", active)
-                for peer in active:
-                    if peer.ack is None:
+                for rank, peer in enumerate(self._peers):
+                    if peer in active and peer.ack is None:
                         peer.credit -= 1
                         plane.sent(index, self._send(peer, header, out.frames))
+                        plane.push(version, out, rank)
             for peer in self._peers:
                 if peer.ack is None:
                     self._send(peer, wire.End(version=version))
@@ -236,13 +247,13 @@ class WeightPublisher:
             t_end = time.perf_counter()
             self._await_acks(deadlines.ack_s, deadlines.heartbeat_s)
             seconds["apply"] = time.perf_counter() - t_end
-        except (DeadlineExceeded, WireError) as exc:
+        except (TransportError, WireError) as exc:  # DeadlineExceeded is a TransportError
             for peer in self._peers:
                 if peer.ack is None:
                     self._send(peer, wire.Abort(version=version, reason=str(exc)))
                     peer.ack = wire.Ack(version=version, ok=False, reason=f"{type(exc).__name__}: {exc}")
         finally:
-            plane.release()
+            plane.release(failed=any(p.ack is None or not p.ack.ok for p in self._peers))
         seconds["total"] = time.perf_counter() - t_start
         report = self._report(manifest, seconds)
         failed = {e.endpoint: e.reason for e in report.engines if not e.ok}

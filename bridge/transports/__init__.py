@@ -1,7 +1,8 @@
 """Data planes behind one small interface, loaded lazily by name.
 
 Control messages (hello, manifest, credits, acks, heartbeats) always travel over ZMQ; the data plane
-decides how bucket bytes travel: as ZMQ frames, or written once into same-host shared memory.
+decides how bucket bytes travel: as ZMQ frames, written once into same-host shared memory, or over a
+private gloo/NCCL group (torch.distributed is imported only when such a plane is made).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 _PLANES: dict[str, str] = {
     "zmq": "bridge.transports.zmq_plane:ZmqSendPlane",
     "shm": "bridge.transports.shm_plane:ShmSendPlane",
+    "gloo": "bridge.transports.collective_plane:GlooSendPlane",
+    "nccl": "bridge.transports.collective_plane:NcclSendPlane",
 }
 
 
@@ -29,13 +32,15 @@ def available() -> list[str]:
     return sorted(_PLANES)
 
 
-def send_plane(kind: str) -> SendPlane:
+def send_plane(kind: str, **options: Any) -> SendPlane:
+    """A new send plane of ``kind``; ``options`` go to its constructor (the collective planes take
+    ``host`` and ``timeout_s``)."""
     try:
         target = _PLANES[kind]
     except KeyError as exc:
         raise ConfigError(f"unknown transport {kind!r}; available: {available()}") from exc
     module, _, cls = target.partition(":")
-    plane: SendPlane = getattr(importlib.import_module(module), cls)()
+    plane: SendPlane = getattr(importlib.import_module(module), cls)(**options)
     return plane
 
 

@@ -37,11 +37,24 @@ class SendPlane(ABC):
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         """The packed buffer as it travels."""
 
+    def offers(self, endpoints: list[str]) -> list[Any]:
+        """Messages, one per endpoint in order, each receiver must get before the manifest (a collective
+        plane invites the receivers into its link here); empty when there is nothing to join."""
+        return []
+
+    def connect(self) -> None:  # noqa: B027 - optional hook
+        """The offers were sent: finish joining (the collective rendezvous). Raises TransportError."""
+
     def sent(self, index: int, tracker: Any) -> None:  # noqa: B027 - optional hook
         """The frames of bucket ``index`` were handed to one socket; ``tracker`` says when they left."""
 
-    def release(self) -> None:
-        """The update is over (every receiver answered); buffers may be kept for the next one."""
+    def push(self, version: int, out: OutgoingBucket, peer: int) -> None:  # noqa: B027 - optional hook
+        """Send bucket ``out`` of ``version`` to receiver number ``peer`` out of band, right after its
+        header (planes whose bytes do not travel as ZMQ frames or shared memory)."""
+
+    def release(self, failed: bool = False) -> None:
+        """The update is over (every receiver answered, ``failed`` if any refused or went away); buffers
+        may be kept for the next one."""
         return None  # noqa: B027 - optional hook; most planes hold nothing
 
     def close(self) -> None:

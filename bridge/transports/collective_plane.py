@@ -6,17 +6,22 @@ vLLM's own groups. Rank 0 is the sender; ranks 1..n receive. A bucket travels as
 (fan-out: the sender's bytes leave once per link the backend needs, not once per receiver in user code).
 Every operation waits at most ``timeout_s`` and raises :class:`TransportError` naming what timed out.
 
-Status: the link is exercised by tests at the transport level (tests/test_collective_plane.py); the
-publisher/receiver pair does not use it yet (they move buckets over ZMQ or shared memory).
+The publisher's :class:`CollectiveSendPlane` (``transport.kind: gloo`` or ``nccl``) offers each receiver
+a rank over ZMQ (``wire.LinkOffer``), joins, and then sends every bucket point to point right after its
+ZMQ header; control messages stay on ZMQ. The link lives across updates and is rebuilt after any update
+that failed. The receiving end is inference_side/collective_inbox.py.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import timedelta
 from typing import Any
 
+from bridge import wire
 from bridge.errors import ConfigError, TransportError
+from bridge.transports.base import OutgoingBucket, SendPlane
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
@@ -26,7 +31,8 @@ STORE_PREFIX = "weight-bridge"
 class CollectiveLink:
     """One end of a sender -> receivers group. ``port=0`` on the sender picks a free port (see ``port``)."""
 
-    def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float = 60.0,
+                 join: bool = True) -> None:
         import torch.distributed as dist
 
         if backend not in BACKENDS:
@@ -46,16 +52,26 @@ class CollectiveLink:
         except (RuntimeError, TimeoutError) as exc:
             raise TransportError(f"collective link: cannot reach the store at {host}:{port} within {timeout_s}s: {exc}") from exc
         self.host, self.port = host, int(self.store.port)
+        self.pg: Any = None
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        """Rendezvous with every other rank (blocks until all joined, at most ``timeout_s``). The sender
+        makes its store with ``join=False``, tells the receivers its port, then joins."""
+        import torch.distributed as dist
+
+        backend, rank, world, timeout = self.backend, self.rank, self.world, timedelta(seconds=self.timeout_s)
         prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
         try:
             if backend == "gloo":
-                self.pg: Any = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
             else:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
         except (RuntimeError, TimeoutError) as exc:
-            raise TransportError(f"collective link ({backend}): rendezvous of {world} ranks failed within {timeout_s}s: {exc}") from exc
+            raise TransportError(f"collective link ({backend}): rendezvous of {world} ranks failed within {self.timeout_s}s: {exc}") from exc
         logger.info("collective link %s rank %s/%s on %s:%s", backend, rank, world, self.host, self.port)
 
     def broadcast(self, tensor: Any, what: str = "bucket") -> None:
@@ -72,6 +88,18 @@ class CollectiveLink:
     def recv(self, tensor: Any, src: int = 0, tag: int = 0, what: str = "bucket") -> None:
         self._wait(self.pg.recv([tensor], src, tag), what)
 
+    def isend(self, tensor: Any, dst: int, tag: int) -> Any:
+        """Start sending; the returned work completes once the bytes left (see :meth:`settle`)."""
+        return self.pg.send([tensor], dst, tag)
+
+    def irecv(self, tensor: Any, src: int, tag: int) -> Any:
+        """Start receiving into ``tensor``; poll the returned work's ``is_completed()``."""
+        return self.pg.recv([tensor], src, tag)
+
+    def settle(self, work: Any, what: str) -> None:
+        """Wait for a started send or receive; raise TransportError if it failed or timed out."""
+        self._wait(work, what)
+
     def _wait(self, work: Any, what: str) -> None:
         try:
             ok = work.wait(timedelta(seconds=self.timeout_s))
@@ -84,3 +112,109 @@ class CollectiveLink:
     def close(self) -> None:
         self.pg = None
         self.store = None
+
+
+def link_tag(version: int, index: int) -> int:
+    """The point-to-point tag of bucket ``index`` of ``version``: a bucket of an abandoned update can never
+    be taken for the same bucket of the next one."""
+    return ((version & 0x3FF) << 21) | (index & 0x1FFFFF)
+
+
+class CollectiveSendPlane(SendPlane):
+    """Buckets as point-to-point sends over a collective link (one rank per receiver, the publisher rank 0).
+
+    Packing buffers form a ring of ``depth + 1`` slots, as on ZMQ; a slot is packed again once every
+    send out of it completed. Any failed update drops the link; the next update offers a new one."""
+
+    kind = backend = "gloo"
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
+        self.host, self.timeout_s = host, timeout_s
+        self._link: CollectiveLink | None = None
+        self._peers: tuple[str, ...] = ()
+        self._slots = 3
+        self._buffers: dict[int, Any] = {}
+        self._works: dict[int, list[Any]] = {}
+        self.links_made = 0  # how many links this plane offered (one, unless an update failed)
+
+    def configure(self, depth: int) -> None:
+        self._slots = depth + 1
+
+    def offers(self, endpoints: list[str]) -> list[wire.LinkOffer]:
+        if self._link is not None and tuple(endpoints) == self._peers:
+            return []
+        self._drop()
+        world = len(endpoints) + 1
+        self._link = CollectiveLink(self.backend, self.host, 0, 0, world, self.timeout_s, join=False)
+        self._peers = tuple(endpoints)
+        self.links_made += 1
+        link_id = uuid.uuid4().hex[:16]
+        return [wire.LinkOffer(link_id, self.backend, self.host, self._link.port, rank, world) for rank in range(1, world)]
+
+    def connect(self) -> None:
+        if self._link is not None and self._link.pg is None:
+            try:
+                self._link.join()
+            except TransportError:
+                self._drop()
+                raise
+
+    def allocate(self, index: int, size: int) -> Any:
+        import torch
+
+        slot = index % self._slots
+        self._settle(self._works.pop(slot, []), f"bucket {index - self._slots} (slot {slot})")
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[slot] = torch.empty(size, dtype=torch.uint8)
+        return buf[:size]
+
+    def seal(self, index: int, buffer: Any) -> OutgoingBucket:
+        return OutgoingBucket(index, buffer, ())
+
+    def push(self, version: int, out: OutgoingBucket, peer: int) -> None:
+        if self._link is None or self._link.pg is None:
+            raise TransportError("collective link is not connected")
+        tensor = out.tensor if self._link.device == "cpu" else out.tensor.to(self._link.device, non_blocking=True)
+        try:
+            work = self._link.isend(tensor, peer + 1, link_tag(version, out.index))
+        except RuntimeError as exc:
+            raise TransportError(f"collective link ({self.backend}): send of bucket {out.index} to rank {peer + 1} failed: {exc}") from exc
+        self._works.setdefault(out.index % self._slots, []).append((work, tensor))
+
+    def _settle(self, works: list[Any], what: str) -> None:
+        for work, _tensor in works:
+            if self._link is None:
+                return
+            self._link.settle(work, what)
+
+    def release(self, failed: bool = False) -> None:
+        if failed:
+            self._drop()
+            return
+        try:
+            for slot in list(self._works):
+                self._settle(self._works.pop(slot), f"slot {slot}")
+        except TransportError:
+            logger.warning("collective link: a send did not complete; the next update builds a new link", exc_info=True)
+            self._drop()
+
+    def _drop(self) -> None:
+        self._works.clear()
+        if self._link is not None:
+            self._link.close()
+        self._link, self._peers = None, ()
+
+    def close(self) -> None:
+        self._drop()
+        self._buffers.clear()
+
+
+class GlooSendPlane(CollectiveSendPlane):
+    kind = backend = "gloo"
+
+
+class NcclSendPlane(CollectiveSendPlane):
+    """NCCL: buckets are packed on the host and copied to this rank's GPU before the send (GPU machines only)."""
+
+    kind = backend = "nccl"

@@ -42,7 +42,7 @@ class ZmqSendPlane(SendPlane):
         if tracker is not None:
             self._trackers.setdefault(index % self._slots, []).append(tracker)
 
-    def release(self) -> None:
+    def release(self, failed: bool = False) -> None:
         for slot, trackers in self._trackers.items():
             if not _settled(trackers, 0.0):
                 self._buffers.pop(slot, None)
