@@ -56,7 +56,7 @@ def parse(argv: list[str] | None) -> Plan:
     p = argparse.ArgumentParser(prog="bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the 50m model only, 3 repetitions, receivers 1 and 2")
     p.add_argument("--models", default="50m,350m,1b", help="comma-separated presets of bridge.tiny_models")
-    p.add_argument("--transports", default="zmq,shm")
+    p.add_argument("--transports", default="zmq,ipc,shm,gloo", help="zmq (tcp://), ipc (ZMQ on ipc://), shm, gloo")
     p.add_argument("--modes", default="staged,streaming")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--receivers", default="1,2,4", help="receiver counts measured on the smallest model")
@@ -129,6 +129,7 @@ class Engines:
 
         self.actors = [bench_actor().remote(model=str(ckpt), tensor_parallel_size=1, dtype="bfloat16") for _ in range(count)]
         self.endpoints = [ray.get(a.endpoint.remote(), timeout=900) for a in self.actors]
+        self.ipc_endpoints = [ray.get(a.endpoint.remote("ipc")) for a in self.actors]
         self.pids = [p for a in self.actors for p in ray.get(a.pids.remote())]
 
     def add(self, ckpt: Path, count: int) -> None:
@@ -138,6 +139,7 @@ class Engines:
 
         new = [bench_actor().remote(model=str(ckpt), tensor_parallel_size=1, dtype="bfloat16") for _ in range(count)]
         self.endpoints += [ray.get(a.endpoint.remote(), timeout=900) for a in new]
+        self.ipc_endpoints += [ray.get(a.endpoint.remote("ipc")) for a in new]
         self.pids += [p for a in new for p in ray.get(a.pids.remote())]
         self.actors += new
 
@@ -171,7 +173,9 @@ class Versions:
 
 def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str, plan: Plan, versions: Versions,
                    count: int | None = None, bucket_mb: float | None = None) -> dict[str, Any]:
-    endpoints = engines.endpoints[: count or len(engines.endpoints)]
+    # "ipc" is the ZMQ data plane on the engines' ipc:// endpoints; the others connect over tcp://
+    endpoints = (engines.ipc_endpoints if transport == "ipc" else engines.endpoints)[: count or len(engines.endpoints)]
+    transport = "zmq" if transport == "ipc" else transport
     pids = engines.pids if count is None or count == len(engines.endpoints) else []
     bucket_mb = bucket_mb or plan.bucket_mb
     engines.set_mode(mode, bucket_mb)
@@ -197,6 +201,50 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
         "phases": {k: statistics.median([p.get(k, 0.0) for p in phases]) for k in keys},
         "peak_rss_growth_bytes": max(peaks) if peaks else None,
     }
+
+
+class NullGate:
+    """A receiver with no engine behind it: stages and verifies every bucket, applies nothing. Publishing
+    to it measures the transport alone."""
+
+    def info(self) -> Any:
+        from bridge import wire
+        from bridge.transports import available
+
+        return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=tuple(t for t in available() if t != "nccl"), host="bench")
+
+    def validate(self, manifest: Any) -> None:
+        return None
+
+    def apply(self, manifest: Any, buckets: list[Any], timings: dict[str, float]) -> Any:
+        from inference_side.receiver import ApplyResult
+
+        return ApplyResult(True)
+
+
+def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versions: Versions) -> float:
+    """Median seconds to move the model (already in bfloat16) into a receiver in this process that stages
+    and verifies every bucket but has no engine: the data plane alone, checksums and finiteness included."""
+    from bridge.config import config_from_dict
+    from inference_side.receiver import SyncReceiver
+
+    config = _config("staged", plan.bucket_mb)
+    receiver = SyncReceiver(NullGate(), config_from_dict(config))
+    receiver.start()
+    try:
+        endpoint = receiver.ipc_endpoint if transport == "ipc" else receiver.endpoint
+        wire_transport = "zmq" if transport == "ipc" else transport
+        totals = []
+        for i in range(plan.reps + 1):
+            rep = trainer.ask(op="publish", endpoints=[endpoint], transport=wire_transport, version=versions.next(),
+                              config=config, precast="bfloat16")
+            if not rep.get("ok"):
+                raise RuntimeError(f"{transport} alone failed: {rep}")
+            if i:
+                totals.append(rep["seconds"]["total"])
+        return statistics.median(totals)
+    finally:
+        receiver.stop()
 
 
 def measure_baselines(trainer: Trainer, engines: Engines, plan: Plan, workdir: Path, versions: Versions) -> dict[str, Any]:
@@ -233,11 +281,13 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
         limit = trainer.bytes / bw
         base = measure_baselines(trainer, engines, plan, workdir, versions)
         for transport in plan.transports:
+            alone = measure_transport_alone(trainer, transport, plan, versions)
             for mode in plan.modes:
                 logger.info("%s: bridge over %s (%s)", kind, transport, mode)
                 m = measure_bridge(trainer, engines, transport, mode, plan, versions)
                 rows.append({"model": kind, "transport": transport, "mode": mode, "receivers": 1, "bytes": trainer.bytes,
-                             "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, **base, **m})
+                             "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, "transport_alone": alone,
+                             **base, **m})
         fastest = min(rows, key=lambda r: r["bridge"])
         for mb in plan.sweep_mb:
             if mb == plan.bucket_mb:
@@ -275,20 +325,36 @@ def add_ratios(row: dict[str, Any]) -> dict[str, Any]:
     row["baseline_a_over_bridge"] = row["baseline_a"] / row["bridge"]
     row["bridge_over_limit"] = row["bridge"] / row["limit"]
     row["bridge_gbps"] = row["bytes"] / row["bridge"] / 1e9
+    if row.get("transport_alone"):
+        row["transport_gbps"] = row["bytes"] / row["transport_alone"] / 1e9
+        row["transport_over_copy"] = row["transport_gbps"] / row["copy_gbps"]
     return row
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least-squares ``seconds = a + b * bytes``: (a, b, r2)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for _, y in points)
+    ss_res = sum((y - a - b * x) ** 2 for x, y in points)
+    return a, b, 1.0 - ss_res / ss_tot if ss_tot else 1.0
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'model':>6} {'transport':>9} {'mode':>9} {'bktMB':>5} {'recv':>4} {'MB':>7} {'bridge s':>9} {'A s':>7} {'B s':>7} "
-            f"{'limit s':>8} {'bridge/B':>8} {'A/bridge':>8} {'br/limit':>8} {'GB/s':>6} {'peakMB':>7}")
+            f"{'limit s':>8} {'bridge/B':>8} {'A/bridge':>8} {'br/limit':>8} {'GB/s':>6} {'aloneGB/s':>9} {'peakMB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         peak = r.get("peak_rss_growth_bytes")
+        alone = f"{r['transport_gbps']:.2f}" if r.get("transport_gbps") else ""
         lines.append(
             f"{r['model']:>6} {r['transport']:>9} {r['mode']:>9} {r.get('bucket_mb', 0):>5g} {r['receivers']:>4} {r['bytes'] / 1e6:>7.0f} "
             f"{r['bridge']:>9.3f} {r['baseline_a']:>7.3f} {r['baseline_b']:>7.3f} {r['limit']:>8.3f} "
             f"{r['bridge_over_baseline_b']:>8.2f} {r['baseline_a_over_bridge']:>8.2f} {r['bridge_over_limit']:>8.1f} "
-            f"{r['bridge_gbps']:>6.2f} {'' if peak is None else f'{peak / 1e6:.0f}':>7}")
+            f"{r['bridge_gbps']:>6.2f} {alone:>9} {'' if peak is None else f'{peak / 1e6:.0f}':>7}")
     return "\n".join(lines)
 
 
@@ -315,6 +381,17 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         if len(scale) > 1:
             out.append(f"{model}: receivers " + ", ".join(f"{r['receivers']}: {r['bridge'] / scale[0]['bridge']:.2f}x" for r in scale)
                        + " (goal: 4 receivers <= 1.5x)")
+    for transport in sorted({r["transport"] for r in rows if r.get("transport_over_copy")}):
+        alone = [r for r in rows if r["transport"] == transport and r.get("transport_over_copy") and r["mode"] == "staged"]
+        out.append(f"{transport} alone (no engine): " + ", ".join(
+            f"{r['model']} {r['transport_gbps']:.2f} GB/s = {100 * r['transport_over_copy']:.0f}% of copy bandwidth" for r in alone)
+            + (" (goal for shm: >= 60%)" if transport == "shm" else ""))
+    singles = [r for r in rows if r["receivers"] == 1 and not r.get("sweep")]
+    for key in sorted({(r["transport"], r["mode"]) for r in singles}):
+        pts = sorted((r["bytes"], r["bridge"]) for r in singles if (r["transport"], r["mode"]) == key)
+        if len(pts) >= 3:
+            a, b, r2 = linear_fit(pts)
+            out.append(f"{key[0]}/{key[1]} vs model size: seconds = {a:.3f} + {b * 1e9:.3f} per GB (r2 {r2:.3f})")
     return out
 
 
@@ -346,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["receivers"] == 1 and not r.get("sweep"):
             by_model.setdefault(r["model"], {})[f"{r['transport']}/{r['mode']}"] = {
-                k: r[k] for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes")}
+                k: r.get(k) for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes", "transport_alone")}
     result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
               "host": platform.node(), "cpus": os.cpu_count(), "reps": plan.reps, "bucket_mb": plan.bucket_mb,
               "models": by_model, "rows": rows, "skipped": skipped_rows, "verdict": verdict(rows),

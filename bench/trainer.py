@@ -2,7 +2,8 @@
 
 Commands (one JSON object per line; one JSON answer per line on stdout, prefixed ``BENCH ``):
 ``{"op": "publish", "endpoints": [...], "transport": "shm", "version": 7, "config": {...}}`` -> the
-publish report (its ``seconds.total`` runs from tensors in this process to every engine's verified ack);
+publish report (its ``seconds.total`` runs from tensors in this process to every engine's verified ack;
+with ``"precast": "bfloat16"`` the tensors are already in the wire dtype, so only the transport works);
 ``{"op": "save", "dir": D}`` -> seconds of ``save_pretrained`` (baseline A's first half);
 ``{"op": "quit"}``.
 """
@@ -30,6 +31,7 @@ def serve(kind: str, seed: int) -> int:
     model = build_model(kind, seed)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     publishers: dict[str, WeightPublisher] = {}
+    precast: dict[str, list[tuple[str, Any]]] = {}
     _answer({"ready": True, "bytes": sum(t.numel() * t.element_size() for _, t in named)})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -49,8 +51,14 @@ def serve(kind: str, seed: int) -> int:
                 publishers.clear()
                 pub = publishers[key] = WeightPublisher(cmd["endpoints"], config=config_from_dict(cmd.get("config", {})),
                                                         transport=cmd["transport"])
+            weights = named
+            if cmd.get("precast"):
+                import torch
+
+                dtype = cmd["precast"]
+                weights = precast.setdefault(dtype, [(n, t.to(getattr(torch, dtype))) for n, t in named])
             try:
-                report = pub.publish(named, version=int(cmd["version"]))
+                report = pub.publish(weights, version=int(cmd["version"]))
                 _answer({**report_line(report), "engine_seconds": [e.seconds for e in report.engines]})
             except BridgeError as exc:
                 _answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})

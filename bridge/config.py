@@ -31,6 +31,8 @@ class TransportConfig:
     depth: int = 2  # buckets in flight per receiver
     curve_server_secret: str = ""  # z85 CURVE secret key of the receiver; empty: no authentication
     curve_server_public: str = ""
+    # receivers also listen on an ipc:// endpoint in a private 0700 directory (same-host publishers)
+    listen_ipc: bool = True
     # gloo/nccl: the address receivers reach the publisher's private TCPStore at (the publisher's host)
     collective_host: str = "127.0.0.1"
 

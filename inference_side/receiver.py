@@ -8,6 +8,8 @@ heartbeats keep flowing while the engine loads.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -126,7 +128,9 @@ class SyncReceiver:
         self._thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-apply")
         self._sessions: dict[bytes, _Session] = {}
-        self.endpoint = ""
+        self.endpoint = ""  # tcp://host:port
+        self.ipc_endpoint = ""  # ipc://<private dir>/receiver.sock when transport.listen_ipc
+        self._ipc_dir = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s)
@@ -227,8 +231,12 @@ class SyncReceiver:
             self._ready.set()
             return
         self.endpoint = f"tcp://{tcfg.bind_host}:{port}"
+        if tcfg.listen_ipc:
+            self._ipc_dir = tempfile.mkdtemp(prefix="wb-ipc-")  # 0700: only this user's processes connect
+            self.ipc_endpoint = f"ipc://{self._ipc_dir}/receiver.sock"
+            sock.bind(self.ipc_endpoint)
         self._ready.set()
-        logger.info("receiver listening on %s", self.endpoint)
+        logger.info("receiver listening on %s %s", self.endpoint, self.ipc_endpoint)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:
@@ -252,6 +260,8 @@ class SyncReceiver:
                 session.close()
             self._inbox.close()
             sock.close(0)
+            if self._ipc_dir:
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _send(self, sock: Any, identity: bytes, msg: wire.Message) -> None:
         sock.send_multipart([identity, wire.encode(msg)])

@@ -18,7 +18,7 @@ from typing import Any
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
-from bridge.errors import BridgeError, ManifestError, VersionError
+from bridge.errors import BridgeError, ConfigError, ManifestError, VersionError
 from bridge.records import SyncRecord
 from bridge.transports import available as available_transports
 from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
@@ -63,7 +63,14 @@ class InferenceServer(StreamingGate):
         logger.info("%s serving %s at %s", self.name, self.model_path, self._endpoint)
 
     # ---- public API (Ray methods) ----------------------------------------------------------------
-    def endpoint(self) -> str:
+    def endpoint(self, kind: str = "tcp") -> str:
+        """Where publishers connect: ``tcp`` (any host allowed by transport.bind_host) or ``ipc`` (this host)."""
+        if kind == "ipc":
+            if not self.receiver.ipc_endpoint:
+                raise ConfigError("this engine does not listen on ipc:// (transport.listen_ipc is false)")
+            return self.receiver.ipc_endpoint
+        if kind != "tcp":
+            raise ConfigError(f"unknown endpoint kind {kind!r}: tcp or ipc")
         return self._endpoint
 
     def version(self) -> int:
@@ -73,6 +80,7 @@ class InferenceServer(StreamingGate):
         return {
             "engine": self.name,
             "endpoint": self._endpoint,
+            "ipc_endpoint": self.receiver.ipc_endpoint,
             "version": self._version,
             "degraded": self._degraded,
             "tp_size": self.tp_size,

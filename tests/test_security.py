@@ -18,6 +18,7 @@ from bridge.config import BridgeConfig, config_from_dict
 from bridge.errors import TransportError, WireError
 from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
 from tests.rawclient import RawClient
+from trainer_side import WeightPublisher
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = [("model.norm.weight", torch.ones(8, dtype=torch.bfloat16))]
@@ -65,6 +66,28 @@ def test_receiver_binds_loopback_by_default(receiver: Any) -> None:
     listening = [c for c in psutil.Process().net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
     assert [c.laddr.ip for c in listening] == ["127.0.0.1"], listening
+
+
+def test_ipc_endpoint_lives_in_a_private_directory_removed_at_stop(receiver: Any) -> None:
+    """The ipc:// socket file sits in a 0700 directory (other users cannot connect); a publisher on this
+    host updates through it; the directory is gone once the receiver stops."""
+    import stat
+
+    rx, gate = receiver(config_from_dict({}))
+    assert rx.ipc_endpoint.startswith("ipc://"), rx.ipc_endpoint
+    sock_path = Path(rx.ipc_endpoint[len("ipc://"):])
+    assert sock_path.exists()
+    assert stat.S_IMODE(sock_path.parent.stat().st_mode) == 0o700
+    with WeightPublisher(rx.ipc_endpoint) as pub:
+        assert pub.publish([("model.norm.weight", torch.ones(8, dtype=torch.bfloat16))], 1).ok
+    assert gate.applied == [(1, ["model.norm.weight"])]
+    rx.stop()
+    assert not sock_path.parent.exists()
+
+
+def test_no_ipc_endpoint_when_disabled(receiver: Any) -> None:
+    rx, _ = receiver(config_from_dict({"transport": {"listen_ipc": False}}))
+    assert rx.ipc_endpoint == ""
 
 
 def _curve_config(**deadlines: float) -> tuple[BridgeConfig, str]:

@@ -26,7 +26,7 @@ def engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
     from bench.engine import bench_actor
 
     v1 = checkpoints("tiny", 1)
-    seeds = {"shm": 2, "stream-zmq": 3, "stream-shm": 4, "recover": 5, "gloo": 6, "stream-gloo": 7, "gloo-2": 8}
+    seeds = {"shm": 2, "stream-zmq": 3, "stream-shm": 4, "recover": 5, "gloo": 6, "stream-gloo": 7, "gloo-2": 8, "ipc": 9}
     ckpts = {k: checkpoints("tiny", s) for k, s in seeds.items()}
     cold = dict(zip(ckpts, oracle(list(ckpts.values()), 1, "bfloat16"), strict=True))
     actor = bench_actor().remote(model=str(v1), tensor_parallel_size=1, dtype="bfloat16", config=SMALL_BUCKETS)
@@ -38,13 +38,13 @@ def engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
     ray_session.kill(actor)
 
 
-def _publish(engine: Any, key: str, transport: str, mode: str) -> dict[str, Any]:
+def _publish(engine: Any, key: str, transport: str, mode: str, endpoint: str = "tcp") -> dict[str, Any]:
     import ray
 
     actor = engine["actor"]
     ray.get(actor.set_config.remote({**SMALL_BUCKETS, "sync": {"mode": mode}}))
     version = ray.get(actor.version.remote()) + 1
-    lines = run_trainer(ray.get(actor.endpoint.remote()), "tiny", seeds=[engine["seeds"][key]], first_version=version,
+    lines = run_trainer(ray.get(actor.endpoint.remote(endpoint)), "tiny", seeds=[engine["seeds"][key]], first_version=version,
                         transport=transport, config=str(engine["config"]))
     line = lines[0]
     assert line["ok"], line
@@ -71,6 +71,17 @@ def test_streaming_shm_matches_cold_load(engine: Any) -> None:
     record = _publish(engine, "stream-shm", "shm", "streaming")
     assert "stream_load" in record["seconds"], record
     assert_same_outputs(generate(engine["actor"]), engine["cold"]["stream-shm"])
+
+
+def test_zmq_over_ipc_matches_cold_load(engine: Any) -> None:
+    """ZMQ on the engine's ipc:// endpoint (a socket file in a private directory) from a trainer process."""
+    import ray
+
+    endpoint = ray.get(engine["actor"].endpoint.remote("ipc"))
+    assert endpoint.startswith("ipc://"), endpoint
+    record = _publish(engine, "ipc", "zmq", "staged", endpoint="ipc")
+    assert record["transport"] == "zmq", record
+    assert_same_outputs(generate(engine["actor"]), engine["cold"]["ipc"])
 
 
 def test_gloo_transport_matches_cold_load(engine: Any) -> None:

@@ -1,0 +1,45 @@
+"""The benchmark's pure report functions: the least-squares fit behind "time grows linearly with model
+size", the ratios and the verdict lines (bench/run.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.run import add_ratios, linear_fit, verdict
+
+
+@pytest.mark.parametrize(("points", "a", "b"), [
+    ([(1.0, 3.0), (2.0, 5.0), (4.0, 9.0)], 1.0, 2.0),
+    ([(1e8, 0.2), (7e8, 0.8), (2e9, 2.1)], 0.1, 1e-9),
+    ([(5.0, 4.0), (6.0, 4.0), (9.0, 4.0)], 4.0, 0.0),
+])
+def test_linear_fit_recovers_exact_lines(points: list[tuple[float, float]], a: float, b: float) -> None:
+    got_a, got_b, r2 = linear_fit(points)
+    assert got_a == pytest.approx(a, abs=1e-9) and got_b == pytest.approx(b, rel=1e-9, abs=1e-15)
+    assert r2 == pytest.approx(1.0)
+
+
+def test_linear_fit_r2_drops_for_a_curve() -> None:
+    _, _, r2 = linear_fit([(1.0, 1.0), (2.0, 4.0), (3.0, 9.0), (4.0, 16.0), (10.0, 100.0)])
+    assert 0.8 < r2 < 0.99
+
+
+def _row(model: str, transport: str, mode: str, nbytes: float, bridge: float, alone: float | None = None) -> dict[str, object]:
+    row: dict[str, object] = {"model": model, "transport": transport, "mode": mode, "receivers": 1, "bytes": nbytes,
+                              "bridge": bridge, "baseline_a": 3 * bridge, "baseline_b": bridge / 1.1, "limit": 0.01,
+                              "copy_gbps": 10.0}
+    if alone is not None:
+        row["transport_alone"] = alone
+    return add_ratios(row)
+
+
+def test_ratios_and_verdict_name_the_goals() -> None:
+    rows = [_row("50m", "shm", "staged", 1e8, 0.1, alone=0.02), _row("350m", "shm", "staged", 7e8, 0.7, alone=0.1),
+            _row("1b", "shm", "staged", 2e9, 2.0, alone=0.3), _row("350m", "zmq", "staged", 7e8, 1.4, alone=0.5)]
+    assert rows[0]["transport_gbps"] == pytest.approx(5.0) and rows[0]["transport_over_copy"] == pytest.approx(0.5)
+    lines = verdict(rows)
+    assert any(line.startswith("350m: fastest shm/staged: bridge/B=1.10 (goal <= 1.25), A/bridge=3.00") for line in lines), lines
+    assert any("shm alone (no engine): 50m 5.00 GB/s = 50% of copy bandwidth" in line and "goal for shm: >= 60%" in line
+               for line in lines), lines
+    fit = [line for line in lines if line.startswith("shm/staged vs model size")]
+    assert len(fit) == 1 and "r2 1.000" in fit[0], lines
