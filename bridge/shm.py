@@ -76,3 +76,43 @@ class Segment:
             _path(self.name).unlink()
         except FileNotFoundError:
             pass
+
+
+class SegmentPool:
+    """Receive segments kept from one update to the next: writing into pages that are already faulted
+    in runs several times faster than into fresh ones. Holds at most ``limit`` bytes of free segments
+    (the receiver sets it to the latest update's size); the rest are closed."""
+
+    def __init__(self, tag: str = "recv") -> None:
+        self.tag = tag
+        self.limit = 0
+        self._free: list[Segment] = []
+
+    @property
+    def held(self) -> int:
+        return sum(s.size for s in self._free)
+
+    def take(self, size: int) -> Segment:
+        """The smallest free segment of at least ``size`` bytes, or a new one of exactly ``size``."""
+        fits = [s for s in self._free if s.size >= size]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            self._free.remove(seg)
+            return seg
+        return Segment.create(self.tag, size)
+
+    def give(self, seg: Segment) -> None:
+        """Keep ``seg`` for a later update (its previous contents are irrelevant), or close it."""
+        if seg.owner and self.held + seg.size <= self.limit:
+            self._free.append(seg)
+        else:
+            seg.close()
+
+    def trim(self, limit: int) -> None:
+        self.limit = limit
+        self._free.sort(key=lambda s: s.size)
+        while self._free and self.held > limit:
+            self._free.pop().close()
+
+    def close(self) -> None:
+        self.trim(0)

@@ -49,7 +49,7 @@ class PendingRecv:
             if self.tensor is not None and self.tensor.device.type != "cpu":
                 import torch
 
-                view = torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=self.segment.size)
+                view = torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=self.tensor.numel())
                 view.copy_(self.tensor)
                 del view
         except TransportError as exc:
@@ -67,8 +67,9 @@ class _Link:
 
 
 class CollectiveInbox:
-    def __init__(self, connect_s: float, bucket_s: float) -> None:
+    def __init__(self, connect_s: float, bucket_s: float, local_host: str = "127.0.0.1") -> None:
         self.connect_s, self.bucket_s = connect_s, bucket_s
+        self.local_host = local_host  # where this side's gloo pairs listen (transport.bind_host)
         self._links: dict[bytes, _Link] = {}
         self._pending: list[PendingRecv] = []
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wb-link")
@@ -87,7 +88,7 @@ class CollectiveInbox:
 
         logger.info("joining %s link %s as rank %s/%s via %s:%s", offer.backend, offer.link, offer.rank, offer.world, offer.host, offer.port)
         self._links[identity] = _Link(offer, self._pool.submit(
-            CollectiveLink, offer.backend, offer.host, offer.port, offer.rank, offer.world, self.connect_s))
+            CollectiveLink, offer.backend, offer.host, offer.port, offer.rank, offer.world, self.connect_s, True, self.local_host))
 
     def has_link(self, identity: bytes) -> bool:
         return identity in self._links
@@ -105,8 +106,8 @@ class CollectiveInbox:
             self.drop(identity)
             raise
 
-    def post(self, identity: bytes, version: int, index: int, segment: Segment) -> None:
-        """Start receiving bucket ``index`` into ``segment``; raises TransportError without a usable link."""
+    def post(self, identity: bytes, version: int, index: int, segment: Segment, size: int) -> None:
+        """Start receiving bucket ``index`` (``size`` bytes) into ``segment``; raises TransportError without a usable link."""
         import torch
 
         from bridge.transports.collective_plane import link_tag
@@ -114,9 +115,9 @@ class CollectiveInbox:
         link = self._link(identity)
         waiter = self._links[identity].waiter
         if link.device == "cpu":
-            tensor = torch.frombuffer(segment.mm, dtype=torch.uint8, count=segment.size)
+            tensor = torch.frombuffer(segment.mm, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
         else:
-            tensor = torch.empty(segment.size, dtype=torch.uint8, device=link.device)
+            tensor = torch.empty(size, dtype=torch.uint8, device=link.device)
         try:
             work = link.irecv(tensor, 0, link_tag(version, index))
         except RuntimeError as exc:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
-from bridge.shm import Segment
+from bridge.shm import Segment, SegmentPool
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
 logger = logging.getLogger(__name__)
@@ -71,12 +71,17 @@ class _Session:
     ended: wire.End | None = None  # End arrived while collective receives were still in flight
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still arriving
 
-    def close(self, reason: str = "update abandoned") -> None:
-        for bucket in self.buckets.values():
-            bucket.segment.close()
+    def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
+        """End the session; with ``pool``, receive segments no worker can still map go back to it."""
+        idle = self.on_abort is None and all(f.done() for _, f in self.loads) and (self.pending is None or self.pending.done())
+        for seg in [b.segment for b in self.buckets.values()] + self.lent:
+            if pool is not None and idle and seg.owner:
+                pool.give(seg)
+            else:
+                seg.close()
+        for seg in self.spare:  # not mapped by any worker (see SyncReceiver._stream_segment)
+            pool.give(seg) if pool is not None else seg.close()
         self.buckets.clear()
-        for seg in self.lent + self.spare:
-            seg.close()
         self.lent.clear()
         self.spare.clear()
         abort, self.on_abort = self.on_abort, None
@@ -133,7 +138,8 @@ class SyncReceiver:
         self._ipc_dir = ""
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s)
+        self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
+        self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s, config.transport.bind_host)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -186,7 +192,7 @@ class SyncReceiver:
             seg = min(fits, key=lambda s: s.size)
             session.spare.remove(seg)
             return seg
-        return Segment.create("recv", size)
+        return self._pool.take(size)
 
     def _stream_progress(self, sock: Any, session: _Session) -> bool:
         """Credit back every bucket loaded so far, in order, and free its staging; on a failed load,
@@ -259,6 +265,7 @@ class SyncReceiver:
             for session in self._sessions.values():
                 session.close()
             self._inbox.close()
+            self._pool.close()
             sock.close(0)
             if self._ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -270,7 +277,7 @@ class SyncReceiver:
         logger.warning("update v%s from %r refused: %s", version, identity, reason)
         session = self._sessions.pop(identity, None)
         if session is not None:
-            session.close(reason)
+            session.close(reason, self._pool)
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
         self.on_event("refused", {"version": version, "reason": reason})
 
@@ -306,7 +313,7 @@ class SyncReceiver:
             self._end(sock, identity, msg)
         elif isinstance(msg, wire.Abort):
             if session is not None and session.pending is None:
-                self._sessions.pop(identity).close()
+                self._sessions.pop(identity).close(pool=self._pool)
                 self.on_event("aborted", {"version": msg.version, "reason": msg.reason})
         else:
             self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
@@ -314,7 +321,7 @@ class SyncReceiver:
     def _begin(self, sock: Any, identity: bytes, manifest: wire.Manifest) -> None:
         old = self._sessions.pop(identity, None)
         if old is not None:
-            old.close()
+            old.close(pool=self._pool)
         try:
             noop = self.gate.validate(manifest)
         except BridgeError as exc:
@@ -329,6 +336,7 @@ class SyncReceiver:
                            "link, and this publisher offered none (or it was dropped after a failure)")
                 return
         now = time.monotonic()
+        self._pool.trim(sum(manifest.bucket_sizes))  # keep at most one update's worth between updates
         session = self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
         if self._streaming():
             self._stream_begin(session)
@@ -353,9 +361,9 @@ class SyncReceiver:
             elif m.transport in COLLECTIVE:
                 if payload:
                     raise WireError(f"bucket {header.index}: bytes arrived as a ZMQ frame, but the transport is {m.transport}")
-                segment = self._stream_segment(session, size) if session.on_abort is not None else Segment.create("recv", size)
+                segment = self._stream_segment(session, size) if session.on_abort is not None else self._pool.take(size)
                 try:
-                    self._inbox.post(identity, m.version, header.index, segment)
+                    self._inbox.post(identity, m.version, header.index, segment, size)
                 except BridgeError:
                     segment.close()
                     raise
@@ -366,7 +374,7 @@ class SyncReceiver:
                 if len(payload) != 1 or len(payload[0].buffer) != size:
                     got = len(payload[0].buffer) if payload else 0
                     raise WireError(f"bucket {header.index}: {got} bytes arrived, manifest says {size} (truncated?)")
-                segment = self._stream_segment(session, size) if session.on_abort is not None else Segment.create("recv", size)
+                segment = self._stream_segment(session, size) if session.on_abort is not None else self._pool.take(size)
                 segment.buffer[:size] = payload[0].buffer
         except BridgeError as exc:
             self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
@@ -396,7 +404,7 @@ class SyncReceiver:
         """A collective receive finished: stage its bucket, or drop it when its update is gone."""
         session = self._sessions.get(recv.identity)
         if session is None or session.manifest.version != recv.version:
-            recv.segment.close()
+            self._pool.give(recv.segment) if not recv.error else recv.segment.close()
             return
         if recv.error:
             recv.segment.close()
@@ -446,7 +454,7 @@ class SyncReceiver:
                         result = session.pending.result()
                     except BaseException as exc:  # noqa: BLE001 - report whatever broke the apply
                         result = ApplyResult(False, f"{type(exc).__name__}: {exc}")
-                    session.close()
+                    session.close(pool=self._pool)
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     if not session.overdue:
@@ -467,5 +475,5 @@ class SyncReceiver:
                     self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))
             elif now - session.last_seen > deadlines.bucket_s:
                 logger.warning("update v%s from %r timed out waiting for data", version, identity)
-                self._sessions.pop(identity).close()
+                self._sessions.pop(identity).close(pool=self._pool)
                 self.on_event("timeout", {"version": version, "reason": f"no data for {deadlines.bucket_s}s"})

@@ -273,6 +273,28 @@ def test_gloo_plane_refused_when_the_engine_does_not_offer_it() -> None:
         rx.stop()
 
 
+def test_gloo_plane_listens_on_loopback_only_by_default() -> None:
+    """With the default config every socket the gloo link opens (the publisher's private store and each
+    rank's gloo pairs) listens on 127.0.0.1: nothing is reachable from another host unless configured."""
+    import psutil
+
+    from trainer_side import WeightPublisher
+
+    rxs, gates = _receivers(1)
+    before = {c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    try:
+        with WeightPublisher(rxs[0].endpoint, config=_small(), transport="gloo") as pub:
+            weights = _weights(1)
+            gates[0].expected = dict(weights)
+            assert pub.publish(weights, 1).ok
+            opened = [c.laddr for c in psutil.Process().net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN and c.laddr not in before]
+    finally:
+        rxs[0].stop()
+    assert opened, "the gloo link opened no listening socket?"
+    assert all(addr.ip == "127.0.0.1" for addr in opened), opened
+
+
 def test_unknown_backend_is_a_config_error() -> None:
     from bridge.errors import ConfigError
     from bridge.transports.collective_plane import CollectiveLink

@@ -15,6 +15,7 @@ that failed. The receiving end is inference_side/collective_inbox.py.
 from __future__ import annotations
 
 import logging
+import socket
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -32,7 +33,7 @@ class CollectiveLink:
     """One end of a sender -> receivers group. ``port=0`` on the sender picks a free port (see ``port``)."""
 
     def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float = 60.0,
-                 join: bool = True) -> None:
+                 join: bool = True, local_host: str = "127.0.0.1") -> None:
         import torch.distributed as dist
 
         if backend not in BACKENDS:
@@ -40,6 +41,7 @@ class CollectiveLink:
         if world < 2 or not 0 <= rank < world:
             raise ConfigError(f"rank {rank} of world {world}: a link needs a sender and at least one receiver")
         self.backend, self.rank, self.world, self.timeout_s = backend, rank, world, timeout_s
+        self.local_host = local_host  # gloo: the address this rank listens on for its peers
         self.device = "cpu"
         if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
             import torch
@@ -47,8 +49,15 @@ class CollectiveLink:
             self.device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
             torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=timeout_s)
+        # the sender's store listens on ``host`` only (torch's own listener would take every interface)
+        listen_fd = None
+        if rank == 0:
+            listener = socket.create_server((host, port), backlog=max(world, 16))
+            port = listener.getsockname()[1]
+            listen_fd = listener.detach()  # the store owns the descriptor from here on
         try:
-            self.store: Any = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+            self.store: Any = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                                            wait_for_workers=False, master_listen_fd=listen_fd)
         except (RuntimeError, TimeoutError) as exc:
             raise TransportError(f"collective link: cannot reach the store at {host}:{port} within {timeout_s}s: {exc}") from exc
         self.host, self.port = host, int(self.store.port)
@@ -65,11 +74,14 @@ class CollectiveLink:
         prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
         try:
             if backend == "gloo":
-                self.pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
-            else:
-                options = dist.ProcessGroupNCCL.Options()
+                options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 options._timeout = timeout
-                self.pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_host)]
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world, options)
+            else:
+                nccl_options = dist.ProcessGroupNCCL.Options()
+                nccl_options._timeout = timeout
+                self.pg = dist.ProcessGroupNCCL(prefixed, rank, world, nccl_options)
         except (RuntimeError, TimeoutError) as exc:
             raise TransportError(f"collective link ({backend}): rendezvous of {world} ranks failed within {self.timeout_s}s: {exc}") from exc
         logger.info("collective link %s rank %s/%s on %s:%s", backend, rank, world, self.host, self.port)
@@ -145,7 +157,7 @@ class CollectiveSendPlane(SendPlane):
             return []
         self._drop()
         world = len(endpoints) + 1
-        self._link = CollectiveLink(self.backend, self.host, 0, 0, world, self.timeout_s, join=False)
+        self._link = CollectiveLink(self.backend, self.host, 0, 0, world, self.timeout_s, join=False, local_host=self.host)
         self._peers = tuple(endpoints)
         self.links_made += 1
         link_id = uuid.uuid4().hex[:16]
