@@ -9,14 +9,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.errors import AuditError, IdentityError, RouterError
+from bridge.errors import AuditError, BridgeError, IdentityError, RouterError
 from inference_side import reload_hooks
 from inference_side.router import RoutedLoader, SinkLoader, map_checkpoint_name, owning_module_path
 
 logger = logging.getLogger(__name__)
+
+
+class _RunStopped(BridgeError):
+    """Internal: a batched ``load_weights`` run stopped at a tensor that was not written in time."""
 
 StorageKey = tuple[int, tuple[int, ...], str, str]
 
@@ -74,6 +79,7 @@ class ReloadSession:
         self._before: dict[str, StorageKey] = {}
         self._begun = False
         self._finalized = False
+        self._runs_ok = True  # load_many may hand runs of tensors to one load_weights call
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -135,6 +141,70 @@ class ReloadSession:
             rec.current = None
             self._done(name)
         self.timings["load"] += time.perf_counter() - t0
+
+    def load_many(self, items: Iterable[tuple[str, Any]]) -> None:
+        """Load tensors in order, like :meth:`load`, but hand each run of plainly loaded tensors to
+        ``model.load_weights`` as one iterator (as vLLM's own reload does): the model's loader set-up
+        (module walks, name maps) then runs once per run instead of once per tensor. Sinks, known
+        bypass tensors and skipped names still go one by one. The recorder still attributes every write
+        to its tensor: the iterator names the tensor it hands out before the model loads it."""
+        run: list[tuple[str, Any]] = []
+        for name, tensor in items:
+            mapped = map_checkpoint_name(self.model, name)
+            special = (mapped is None or self._pp_missing(mapped)
+                       or (self.router and (mapped in self.state.sinks or name in self.state.bypass)))
+            if special:
+                self._load_run(run)
+                run = []
+                self.load(name, tensor)
+            else:
+                run.append((name, tensor))
+        self._load_run(run)
+
+    def _load_run(self, run: list[tuple[str, Any]]) -> None:
+        """One ``load_weights`` call for ``run``. The iterator checks, before handing out tensor i+1, that
+        tensor i was written: a model that reads ahead (collects its weights first, e.g. into a dict) or
+        a tensor written behind its loader's back stops the run there, before anything of the tensor was
+        lost, and the rest of this update loads tensor by tensor (:meth:`load`), as before."""
+        import torch
+
+        if len(run) <= 1 or not self._runs_ok:
+            for name, tensor in run:
+                self.load(name, tensor)
+            return
+        t0 = time.perf_counter()
+        rec = reload_hooks.RECORDER
+        handed: list[str] = []
+
+        def feed() -> Iterator[tuple[str, Any]]:
+            for name, tensor in run:
+                if handed and handed[-1] not in rec.writes:
+                    raise _RunStopped(handed[-1])
+                rec.current = name
+                handed.append(name)
+                yield name, tensor
+            rec.current = None
+
+        stopped = False
+        with torch.no_grad():
+            try:
+                self.model.load_weights(feed())
+            except _RunStopped as stop:
+                logger.info("%s: not written before the next tensor was asked for; loading tensor by tensor", stop)
+                stopped, self._runs_ok = True, False
+            finally:
+                rec.current = None
+            written = handed[:-1] if stopped else handed
+            self.loaded.extend(written)
+            for name, tensor in run[: len(written)]:
+                if name not in rec.writes and self.router and tensor.is_floating_point():
+                    logger.info("%s was written behind its weight loader; routing it", name)
+                    self.state.bypass.add(name)
+                    self._capture(name, tensor)
+                self._done(name)
+        self.timings["load"] += time.perf_counter() - t0
+        for name, tensor in run[len(written):]:
+            self.load(name, tensor)
 
     def finish(self) -> dict[str, Any]:
         import torch

@@ -120,11 +120,7 @@ class WeightSyncWorker:
                 for bucket in buckets:
                     seg = Segment.attach(bucket["segment"], bucket["size"], private=True)
                     segments.append(seg)
-                    for name, tensor in _views(seg, bucket["tensors"]):
-                        if name == self._wb_fail_once:
-                            self._wb_fail_once = None
-                            raise RuntimeError(f"test-only injected failure while loading {name}")
-                        session.load(name, tensor)
+                    _load_views(session, _views(seg, bucket["tensors"]), self._wb_test_only_fail(bucket["tensors"]))
                 report = session.finish()
             report["ok"] = True
         except BridgeError as exc:
@@ -253,6 +249,14 @@ class WeightSyncWorker:
         self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
 
+    def _wb_test_only_fail(self, tensors: list[list[Any]]) -> str | None:
+        """The armed test-only failure if its tensor is in this bucket (then disarmed), else None."""
+        name = self._wb_fail_once
+        if name is None or all(t[0] != name for t in tensors):
+            return None
+        self._wb_fail_once = None
+        return name
+
     def wb_test_only_arm_failure(self, name: str) -> str:
         """Test-only: make the next update raise on this rank when it reaches tensor ``name``."""
         self._wb_fail_once = name
@@ -295,10 +299,16 @@ def _views(seg: Segment, tensors: list[list[Any]]) -> list[tuple[str, Any]]:
     return out
 
 
-def _load_views(session: ReloadSession, views: list[tuple[str, Any]]) -> None:
-    """Load each view (a function, so no loop variable outlives it and pins a mapping)."""
-    for name, tensor in views:
-        session.load(name, tensor)
+def _load_views(session: ReloadSession, views: list[tuple[str, Any]], fail_at: str | None = None) -> None:
+    """Load the views of one bucket (a function, so no loop variable outlives it and pins a mapping).
+    ``fail_at``: test-only, raise when that tensor is reached."""
+    if fail_at is not None and any(name == fail_at for name, _ in views):
+        for name, tensor in views:
+            if name == fail_at:
+                raise RuntimeError(f"test-only injected failure while loading {name}")
+            session.load(name, tensor)
+        return
+    session.load_many(views)
 
 
 def _unmapped(seg: Segment, storages: list[Any]) -> bool:
