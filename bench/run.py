@@ -222,13 +222,19 @@ class NullGate:
         return ApplyResult(True)
 
 
-def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versions: Versions) -> float:
+RAW = {"checksum": "none", "verify_checksums": False, "nonfinite": "allow"}
+
+
+def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versions: Versions, raw: bool = False) -> float:
     """Median seconds to move the model (already in bfloat16) into a receiver in this process that stages
-    and verifies every bucket but has no engine: the data plane alone, checksums and finiteness included."""
+    every bucket but has no engine: the data plane alone, checksums and finiteness included, or with
+    ``raw`` neither (``sync.checksum: none``, ``verify_checksums: false``, ``nonfinite: allow``)."""
     from bridge.config import config_from_dict
     from inference_side.receiver import SyncReceiver
 
     config = _config("staged", plan.bucket_mb)
+    if raw:
+        config["sync"] = {**config["sync"], **RAW}
     receiver = SyncReceiver(NullGate(), config_from_dict(config))
     receiver.start()
     try:
@@ -282,11 +288,13 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
         base = measure_baselines(trainer, engines, plan, workdir, versions)
         for transport in plan.transports:
             alone = measure_transport_alone(trainer, transport, plan, versions)
+            alone_raw = measure_transport_alone(trainer, transport, plan, versions, raw=True)
             for mode in plan.modes:
                 logger.info("%s: bridge over %s (%s)", kind, transport, mode)
                 m = measure_bridge(trainer, engines, transport, mode, plan, versions)
                 rows.append({"model": kind, "transport": transport, "mode": mode, "receivers": 1, "bytes": trainer.bytes,
                              "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, "transport_alone": alone,
+                             "transport_alone_raw": alone_raw,
                              **base, **m})
         fastest = min(rows, key=lambda r: r["bridge"])
         for mb in plan.sweep_mb:
@@ -328,6 +336,9 @@ def add_ratios(row: dict[str, Any]) -> dict[str, Any]:
     if row.get("transport_alone"):
         row["transport_gbps"] = row["bytes"] / row["transport_alone"] / 1e9
         row["transport_over_copy"] = row["transport_gbps"] / row["copy_gbps"]
+    if row.get("transport_alone_raw"):
+        row["transport_raw_gbps"] = row["bytes"] / row["transport_alone_raw"] / 1e9
+        row["transport_raw_over_copy"] = row["transport_raw_gbps"] / row["copy_gbps"]
     return row
 
 
@@ -382,9 +393,12 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"{model}: receivers " + ", ".join(f"{r['receivers']}: {r['bridge'] / scale[0]['bridge']:.2f}x" for r in scale)
                        + " (goal: 4 receivers <= 1.5x)")
     for transport in sorted({r["transport"] for r in rows if r.get("transport_over_copy")}):
-        alone = [r for r in rows if r["transport"] == transport and r.get("transport_over_copy") and r["mode"] == "staged"]
+        alone = list({r["model"]: r for r in rows if r["transport"] == transport and r.get("transport_over_copy")
+                      and r["receivers"] == 1 and not r.get("sweep")}.values())
         out.append(f"{transport} alone (no engine): " + ", ".join(
-            f"{r['model']} {r['transport_gbps']:.2f} GB/s = {100 * r['transport_over_copy']:.0f}% of copy bandwidth" for r in alone)
+            f"{r['model']} {r['transport_gbps']:.2f} GB/s = {100 * r['transport_over_copy']:.0f}% of copy bandwidth"
+            + (f" (raw, no checksums: {r['transport_raw_gbps']:.2f} GB/s = {100 * r['transport_raw_over_copy']:.0f}%)"
+               if r.get("transport_raw_gbps") else "") for r in alone)
             + (" (goal for shm: >= 60%)" if transport == "shm" else ""))
     singles = [r for r in rows if r["receivers"] == 1 and not r.get("sweep")]
     for key in sorted({(r["transport"], r["mode"]) for r in singles}):
@@ -423,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["receivers"] == 1 and not r.get("sweep"):
             by_model.setdefault(r["model"], {})[f"{r['transport']}/{r['mode']}"] = {
-                k: r.get(k) for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes", "transport_alone")}
+                k: r.get(k) for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes", "transport_alone", "transport_alone_raw")}
     result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
               "host": platform.node(), "cpus": os.cpu_count(), "reps": plan.reps, "bucket_mb": plan.bucket_mb,
               "models": by_model, "rows": rows, "skipped": skipped_rows, "verdict": verdict(rows),

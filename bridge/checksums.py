@@ -15,6 +15,7 @@ from bridge.errors import WireError
 
 DEFAULT = "crc32"
 KNOWN = ("crc32", "crc32c")
+NONE = "none"  # the publisher sends no checksums (sync.checksum: none); receivers that verify refuse it
 
 
 def _crc32c() -> Callable[[Any], int] | None:

@@ -21,6 +21,7 @@ CONFIG_ENV = "WEIGHT_BRIDGE_CONFIG"
 TransportKind = Literal["zmq", "shm", "gloo", "nccl"]
 SyncMode = Literal["staged", "streaming"]
 NonFinitePolicy = Literal["reject", "allow"]
+ChecksumChoice = Literal["auto", "crc32c", "crc32", "none"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class SyncConfig:
     mode: SyncMode = "staged"
     nonfinite: NonFinitePolicy = "reject"
     verify_checksums: bool = True
+    # what a publisher sends: auto (crc32c when installed, else crc32), one of them, or none (engines
+    # that verify checksums refuse such updates)
+    checksum: ChecksumChoice = "auto"
     max_header_bytes: int = 64 << 20
     max_tensors: int = 1_000_000
     # keep a host-memory copy of the served weights (one model's worth, in the actor process); a failure

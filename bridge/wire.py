@@ -185,7 +185,7 @@ class Manifest:
             probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
             checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
         )
-        _require(manifest.checksum in ("crc32", "crc32c"), f"unknown checksum algorithm {manifest.checksum!r} (known: crc32, crc32c)")
+        _require(manifest.checksum in ("crc32", "crc32c", "none"), f"unknown checksum algorithm {manifest.checksum!r} (known: crc32, crc32c, none)")
         manifest.check_layout()
         return manifest
 

@@ -91,14 +91,15 @@ class _Session:
 
 def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str,
                   checksum: str = "crc32") -> None:
-    """Checksums (algorithm ``checksum``) of every tensor in a bucket and, under the reject policy, finiteness of floats."""
+    """Checksums (algorithm ``checksum``; ``none``: not checked) of every tensor in a bucket and, under the
+    reject policy, finiteness of floats."""
     from bridge.checksums import function
 
-    crc = function(checksum)
+    crc = None if checksum == "none" else function(checksum)
     if len(checksums) != len(specs):
         raise WireError(f"bucket {specs[0].bucket if specs else '?'}: {len(checksums)} checksums for {len(specs)} tensors")
     for spec, expected in zip(sorted(specs, key=lambda s: s.offset), _by_offset(specs, checksums), strict=True):
-        got = crc(view[spec.offset : spec.offset + spec.nbytes])
+        got = crc(view[spec.offset : spec.offset + spec.nbytes]) if crc is not None else expected
         if got != expected:
             raise ChecksumError(f"tensor {spec.name}: checksum mismatch (got {got:#010x}, manifest says {expected:#010x})")
         if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
@@ -330,6 +331,10 @@ class SyncReceiver:
         if noop:
             self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report={"noop": True}))
             return
+        if manifest.checksum == "none" and self.config.sync.verify_checksums:
+            self._fail(sock, identity, manifest.version, "WireError: the publisher sends no checksums (its sync.checksum is "
+                       "none) and this engine verifies them (sync.verify_checksums: true)")
+            return
         if manifest.transport in COLLECTIVE:
             if not self._inbox.has_link(identity):
                 self._fail(sock, identity, manifest.version, f"TransportError: transport {manifest.transport} needs a collective "
@@ -388,8 +393,9 @@ class SyncReceiver:
         session.buckets[index] = StagedBucket(index, segment, specs)
         session.bytes_in += m.bucket_sizes[index]
         try:
-            if self.config.sync.verify_checksums:
-                verify_bucket(segment.buffer, specs, checksums, self.config.sync.nonfinite, m.checksum)
+            scfg = self.config.sync
+            if scfg.verify_checksums or scfg.nonfinite == "reject":
+                verify_bucket(segment.buffer, specs, checksums, scfg.nonfinite, m.checksum if scfg.verify_checksums else "none")
         except BridgeError as exc:
             self._fail(sock, session.identity, m.version, f"{type(exc).__name__}: {exc}")
             return

@@ -30,6 +30,7 @@ def _row(model: str, transport: str, mode: str, nbytes: float, bridge: float, al
                               "copy_gbps": 10.0}
     if alone is not None:
         row["transport_alone"] = alone
+        row["transport_alone_raw"] = alone / 2
     return add_ratios(row)
 
 
@@ -39,7 +40,7 @@ def test_ratios_and_verdict_name_the_goals() -> None:
     assert rows[0]["transport_gbps"] == pytest.approx(5.0) and rows[0]["transport_over_copy"] == pytest.approx(0.5)
     lines = verdict(rows)
     assert any(line.startswith("350m: fastest shm/staged: bridge/B=1.10 (goal <= 1.25), A/bridge=3.00") for line in lines), lines
-    assert any("shm alone (no engine): 50m 5.00 GB/s = 50% of copy bandwidth" in line and "goal for shm: >= 60%" in line
-               for line in lines), lines
+    assert any("shm alone (no engine): 50m 5.00 GB/s = 50% of copy bandwidth (raw, no checksums: 10.00 GB/s = 100%)" in line
+               and "goal for shm: >= 60%" in line for line in lines), lines
     fit = [line for line in lines if line.startswith("shm/staged vs model size")]
     assert len(fit) == 1 and "r2 1.000" in fit[0], lines

@@ -105,3 +105,68 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ---- sync.checksum: none (the raw data plane) ---------------------------------------------------------
+
+class _Gate:
+    def __init__(self) -> None:
+        self.applied: list[int] = []
+
+    def info(self) -> wire.EngineInfo:
+        return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq", "shm"), host="test")
+
+    def validate(self, manifest: wire.Manifest) -> None:
+        return None
+
+    def apply(self, manifest: wire.Manifest, buckets: list[object], timings: dict[str, float]) -> object:
+        from inference_side.receiver import ApplyResult
+
+        self.applied.append(manifest.version)
+        return ApplyResult(True)
+
+
+def _publish_unchecked(receiver_sync: dict[str, object], weights: list[tuple[str, torch.Tensor]]) -> tuple[_Gate, object]:
+    from bridge.config import config_from_dict
+    from bridge.errors import UpdateFailed
+    from inference_side.receiver import SyncReceiver
+    from trainer_side import WeightPublisher
+
+    gate = _Gate()
+    rx = SyncReceiver(gate, config_from_dict({"sync": receiver_sync}))
+    rx.start()
+    try:
+        with WeightPublisher(rx.endpoint, config=config_from_dict({"sync": {"checksum": "none"}}), transport="shm") as pub:
+            try:
+                return gate, pub.publish(weights, 1)
+            except UpdateFailed as exc:
+                return gate, exc
+    finally:
+        rx.stop()
+
+
+def test_unchecked_update_is_refused_by_an_engine_that_verifies() -> None:
+    gate, result = _publish_unchecked({}, [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))])
+    assert "publisher sends no checksums" in str(result) and "sync.verify_checksums: true" in str(result), result
+    assert gate.applied == []
+
+
+def test_unchecked_update_applies_where_checksums_are_off_but_nan_is_still_refused() -> None:
+    good = [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))]
+    gate, result = _publish_unchecked({"verify_checksums": False}, good)
+    assert getattr(result, "ok", False), result
+    assert gate.applied == [1]
+    bad = [("model.norm.weight", torch.full((64,), float("nan"), dtype=torch.bfloat16))]
+    gate, result = _publish_unchecked({"verify_checksums": False}, bad)
+    assert "tensor model.norm.weight: holds NaN or Inf" in str(result), result
+    assert gate.applied == []
+
+
+def test_pack_without_checksums_writes_the_same_bytes() -> None:
+    named = [("a.weight", torch.randn(300)), ("b.weight", torch.randn(7, 5))]
+    plan, tensors = make_plan(named, "bfloat16", 1 << 20)
+    with_sums, without = torch.zeros(plan.bucket_sizes[0], dtype=torch.uint8), torch.zeros(plan.bucket_sizes[0], dtype=torch.uint8)
+    sums = pack_bucket(plan, tensors, 0, with_sums, checksum="crc32c")
+    zeros = pack_bucket(plan, tensors, 0, without, checksum="none")
+    assert torch.equal(with_sums, without)
+    assert zeros == [0, 0] and all(sums)

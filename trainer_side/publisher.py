@@ -110,6 +110,10 @@ class WeightPublisher:
             plane.close()
         self._planes.clear()
 
+    def _checksum(self) -> str:
+        choice = self.config.sync.checksum
+        return preferred_checksum() if choice == "auto" else choice
+
     def _plane(self) -> SendPlane:
         plane = self._planes.get(self.transport)
         if plane is None:
@@ -212,7 +216,7 @@ class WeightPublisher:
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
-                                 publisher=self.name, transport=self.transport, probe=probe, checksum=preferred_checksum())
+                                 publisher=self.name, transport=self.transport, probe=probe, checksum=self._checksum())
         plane = self._plane()
         offers = plane.offers([p.endpoint for p in self._peers])
         for peer, offer in zip(self._peers, offers, strict=False):
