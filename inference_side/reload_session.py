@@ -80,6 +80,7 @@ class ReloadSession:
         self._begun = False
         self._finalized = False
         self._runs_ok = True  # load_many may hand runs of tensors to one load_weights call
+        self.load_calls = 0  # model.load_weights calls this update (one per tensor without runs)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -133,6 +134,7 @@ class ReloadSession:
                 self._capture(name, tensor)
             else:
                 rec.current = name
+                self.load_calls += 1
                 self.model.load_weights([(name, tensor)])
                 if name not in rec.writes and self.router and tensor.is_floating_point():
                     logger.info("%s was written behind its weight loader; routing it", name)
@@ -188,6 +190,7 @@ class ReloadSession:
         stopped = False
         with torch.no_grad():
             try:
+                self.load_calls += 1
                 self.model.load_weights(feed())
             except _RunStopped as stop:
                 logger.info("%s: not written before the next tensor was asked for; loading tensor by tensor", stop)
@@ -232,6 +235,8 @@ class ReloadSession:
             "stale": problems,
             "identity_violations": moved,
             "aliases_refreshed": refreshed,
+            "load_calls": self.load_calls,
+            "runs_stopped": not self._runs_ok,
             "seconds": dict(self.timings),
         }
         if problems:
