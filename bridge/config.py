@@ -67,6 +67,9 @@ class SyncConfig:
     # what a publisher sends: auto (crc32c when installed, else crc32), one of them, or none (engines
     # that verify checksums refuse such updates)
     checksum: ChecksumChoice = "auto"
+    # keep the receive segments of the last successful update (ZMQ, gloo/NCCL) for the next one: writing
+    # into pages already faulted in is several times faster; costs up to one update of /dev/shm between syncs
+    keep_receive_buffers: bool = True
     max_header_bytes: int = 64 << 20
     max_tensors: int = 1_000_000
     # keep a host-memory copy of the served weights (one model's worth, in the actor process); a failure

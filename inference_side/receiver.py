@@ -278,7 +278,7 @@ class SyncReceiver:
         logger.warning("update v%s from %r refused: %s", version, identity, reason)
         session = self._sessions.pop(identity, None)
         if session is not None:
-            session.close(reason, self._pool)
+            session.close(reason)
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
         self.on_event("refused", {"version": version, "reason": reason})
 
@@ -314,7 +314,7 @@ class SyncReceiver:
             self._end(sock, identity, msg)
         elif isinstance(msg, wire.Abort):
             if session is not None and session.pending is None:
-                self._sessions.pop(identity).close(pool=self._pool)
+                self._sessions.pop(identity).close()
                 self.on_event("aborted", {"version": msg.version, "reason": msg.reason})
         else:
             self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
@@ -322,7 +322,7 @@ class SyncReceiver:
     def _begin(self, sock: Any, identity: bytes, manifest: wire.Manifest) -> None:
         old = self._sessions.pop(identity, None)
         if old is not None:
-            old.close(pool=self._pool)
+            old.close()
         try:
             noop = self.gate.validate(manifest)
         except BridgeError as exc:
@@ -341,7 +341,8 @@ class SyncReceiver:
                            "link, and this publisher offered none (or it was dropped after a failure)")
                 return
         now = time.monotonic()
-        self._pool.trim(sum(manifest.bucket_sizes))  # keep at most one update's worth between updates
+        # keep at most one update's worth between updates (nothing with sync.keep_receive_buffers: false)
+        self._pool.trim(sum(manifest.bucket_sizes) if self.config.sync.keep_receive_buffers else 0)
         session = self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
         if self._streaming():
             self._stream_begin(session)
@@ -410,7 +411,7 @@ class SyncReceiver:
         """A collective receive finished: stage its bucket, or drop it when its update is gone."""
         session = self._sessions.get(recv.identity)
         if session is None or session.manifest.version != recv.version:
-            self._pool.give(recv.segment) if not recv.error else recv.segment.close()
+            recv.segment.close()
             return
         if recv.error:
             recv.segment.close()
@@ -460,7 +461,7 @@ class SyncReceiver:
                         result = session.pending.result()
                     except BaseException as exc:  # noqa: BLE001 - report whatever broke the apply
                         result = ApplyResult(False, f"{type(exc).__name__}: {exc}")
-                    session.close(pool=self._pool)
+                    session.close(pool=self._pool if result.ok else None)  # a failed update frees its staging
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     if not session.overdue:
@@ -481,5 +482,5 @@ class SyncReceiver:
                     self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))
             elif now - session.last_seen > deadlines.bucket_s:
                 logger.warning("update v%s from %r timed out waiting for data", version, identity)
-                self._sessions.pop(identity).close(pool=self._pool)
+                self._sessions.pop(identity).close()
                 self.on_event("timeout", {"version": version, "reason": f"no data for {deadlines.bucket_s}s"})
