@@ -134,6 +134,7 @@ class SyncReceiver:
         self._thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-apply")
         self._sessions: dict[bytes, _Session] = {}
+        self._refused: dict[bytes, int] = {}  # publisher -> version refused mid-transfer (its in-flight buckets are dropped)
         self.endpoint = ""  # tcp://host:port
         self.ipc_endpoint = ""  # ipc://<private dir>/receiver.sock when transport.listen_ipc
         self._ipc_dir = ""
@@ -279,6 +280,7 @@ class SyncReceiver:
         session = self._sessions.pop(identity, None)
         if session is not None:
             session.close(reason)
+            self._refused[identity] = session.manifest.version
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
         self.on_event("refused", {"version": version, "reason": reason})
 
@@ -319,7 +321,16 @@ class SyncReceiver:
         else:
             self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
 
+    def _late(self, identity: bytes, version: int, what: str) -> bool:
+        """A bucket or End the publisher sent before it heard this update was refused: drop it quietly,
+        so the refusal it already has (the cause) is the only answer."""
+        if identity not in self._sessions and self._refused.get(identity) == version:
+            logger.debug("dropping %s of refused update v%s from %r", what, version, identity)
+            return True
+        return False
+
     def _begin(self, sock: Any, identity: bytes, manifest: wire.Manifest) -> None:
+        self._refused.pop(identity, None)
         old = self._sessions.pop(identity, None)
         if old is not None:
             old.close()
@@ -350,6 +361,8 @@ class SyncReceiver:
 
     def _bucket(self, sock: Any, identity: bytes, header: wire.BucketHeader, payload: list[Any]) -> None:
         session = self._sessions.get(identity)
+        if self._late(identity, header.version, f"bucket {header.index}"):
+            return
         if session is None:
             self._fail(sock, identity, header.version, f"bucket {header.index} arrived outside an update")
             return
@@ -427,6 +440,8 @@ class SyncReceiver:
 
     def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
         session = self._sessions.get(identity)
+        if self._late(identity, msg.version, "end"):
+            return
         if session is None or msg.version != session.manifest.version:
             self._fail(sock, identity, msg.version, "end of an update that was never begun")
             return

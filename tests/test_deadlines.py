@@ -199,6 +199,39 @@ def test_receiver_apply_deadline(start_receiver: Any) -> None:
     assert [k for k, _ in events] == ["timeout"]
 
 
+def test_refusal_is_the_only_answer_to_buckets_already_in_flight(start_receiver: Any) -> None:
+    """Bucket 0 fails its checksum while bucket 1 and End are already on the wire: the publisher hears one
+    answer, the refusal naming the real cause, not a second one about buckets arriving outside an update."""
+    import zlib
+
+    gate = Gate()
+    rx = start_receiver(cfg(), gate)
+    client = RawClient(rx.endpoint, identity=b"in-flight")
+    try:
+        specs = (wire.TensorSpec("model.a.weight", "bfloat16", (8,), 0, 0, 16),
+                 wire.TensorSpec("model.b.weight", "bfloat16", (8,), 1, 0, 16))
+        client.send(wire.Begin(wire.Manifest(version=5, tensors=specs, bucket_sizes=(16, 16))))
+        assert client.until(wire.Credit, timeout=5).n == 2
+        payload = bytes(range(16))
+        client.send(wire.BucketHeader(version=5, index=0, checksums=(zlib.crc32(payload) ^ 1,)), payload)
+        client.send(wire.BucketHeader(version=5, index=1, checksums=(zlib.crc32(payload),)), payload)
+        client.send(wire.End(version=5))
+        answers = []
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            if client.sock.poll(50):
+                answers.append(wire.decode(client.sock.recv_multipart()[0]))
+        acks = [a for a in answers if isinstance(a, wire.Ack)]
+        assert len(acks) == 1, acks
+        assert not acks[0].ok and "model.a.weight" in acks[0].reason and "checksum" in acks[0].reason
+        # the publisher's next update is heard as usual
+        client.send(wire.Begin(wire.Manifest(version=6, tensors=specs, bucket_sizes=(16, 16))))
+        assert client.until(wire.Credit, timeout=5).n == 2
+    finally:
+        client.close()
+    assert gate.applied == []
+
+
 # ---- back-pressure ---------------------------------------------------------------------------------
 
 def test_slow_receiver_back_pressure(start_receiver: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,8 +170,8 @@ class WeightPublisher:
                     logger.debug("ignoring %s for version %s while publishing %s", msg.type, msg.version, self._current)
                 elif isinstance(msg, wire.Credit):
                     peer.credit += msg.n
-                elif isinstance(msg, wire.Ack):
-                    peer.ack = msg
+                elif isinstance(msg, wire.Ack) and peer.ack is None:
+                    peer.ack = msg  # the first answer is the cause; a later one only echoes its aftermath
 
     def _wait(self, cond: Any, deadline_s: float, what: str, peers: list[_Peer]) -> None:
         end = time.monotonic() + deadline_s
