@@ -21,7 +21,7 @@ CONFIG_ENV = "WEIGHT_BRIDGE_CONFIG"
 TransportKind = Literal["zmq", "shm", "gloo", "nccl"]
 SyncMode = Literal["staged", "streaming"]
 NonFinitePolicy = Literal["reject", "allow"]
-ChecksumChoice = Literal["auto", "crc32c", "crc32", "none"]
+ChecksumChoice = Literal["auto", "xxh3", "crc32c", "crc32", "none"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SyncConfig:
     mode: SyncMode = "staged"
     nonfinite: NonFinitePolicy = "reject"
     verify_checksums: bool = True
-    # what a publisher sends: auto (crc32c when installed, else crc32), one of them, or none (engines
+    # what a publisher sends: auto (xxh3, else crc32c, when installed, else crc32), one of them, or none (engines
     # that verify checksums refuse such updates)
     checksum: ChecksumChoice = "auto"
     # keep the receive segments of the last successful update (ZMQ, gloo/NCCL) for the next one: writing

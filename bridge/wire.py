@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from bridge import PROTOCOL_VERSION
+from bridge import PROTOCOL_VERSION, checksums
 from bridge.errors import ManifestError, WireError
 
 # dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
@@ -185,7 +185,8 @@ class Manifest:
             probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
             checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
         )
-        _require(manifest.checksum in ("crc32", "crc32c", "none"), f"unknown checksum algorithm {manifest.checksum!r} (known: crc32, crc32c, none)")
+        known = (*checksums.KNOWN, checksums.NONE)
+        _require(manifest.checksum in known, f"unknown checksum algorithm {manifest.checksum!r} (known: {', '.join(known)})")
         manifest.check_layout()
         return manifest
 
@@ -366,7 +367,7 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
             return BucketHeader(
                 version=_int(raw.get("version"), "version"),
                 index=_int(raw.get("index"), "bucket index", 0, 1 << 31),
-                checksums=tuple(_int(c, "checksum", 0, 0xFFFFFFFF) for c in sums),  # type: ignore[union-attr]
+                checksums=tuple(_int(c, "checksum", 0, 0xFFFFFFFFFFFFFFFF) for c in sums),  # type: ignore[union-attr]
                 segment=_str(raw.get("segment", ""), "segment", 255),
             )
         if kind == "link":

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
+from bridge.finite import all_finite
 from bridge.shm import Segment, SegmentPool
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
@@ -103,21 +104,8 @@ def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tup
         if got != expected:
             raise ChecksumError(f"tensor {spec.name}: checksum mismatch (got {got:#010x}, manifest says {expected:#010x})")
         if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
-            import torch
-
-            t = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset).view(getattr(torch, spec.dtype))
-            if not all_finite(t.float() if spec.dtype.startswith("float8") else t):
+            if not all_finite(view, spec.dtype, spec.offset, spec.nbytes):
                 raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
-
-
-def all_finite(t: Any) -> bool:
-    """Exactly ``isfinite(t).all()``, fast: any NaN or Inf element makes the sum NaN or Inf, so a finite
-    sum proves every element finite; only a non-finite (or overflowing) sum pays for the element-wise check."""
-    import torch
-
-    if bool(torch.isfinite(t.sum())):
-        return True
-    return bool(torch.isfinite(t).all())
 
 
 def _by_offset(specs: list[wire.TensorSpec], checksums: tuple[int, ...]) -> list[int]:

@@ -9,40 +9,87 @@ import torch
 from bridge import wire
 from bridge.checksums import function, preferred
 from bridge.errors import ChecksumError, NonFiniteError, WireError
-from inference_side.receiver import all_finite, verify_bucket
+from bridge.finite import all_finite
+from inference_side.receiver import verify_bucket
 from trainer_side.packing import make_plan, pack_bucket, plan_specs
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_all_finite_is_exact(dtype: torch.dtype) -> None:
-    t = torch.randn(4096).to(dtype)
-    assert all_finite(t)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        u = t.clone()
-        u[1234] = bad
-        assert not all_finite(u), f"{bad} in {dtype} not caught"
-    both = t.clone()
-    both[0], both[1] = float("inf"), float("-inf")  # sums to NaN, still caught
-    assert not all_finite(both)
-    huge = torch.full((64,), torch.finfo(dtype).max, dtype=dtype)  # the sum overflows; every element is finite
-    assert all_finite(huge)
+FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def test_crc32c_manifest_round_trip_and_verify() -> None:
+def _finite(t: torch.Tensor) -> bool:
+    """The check under test, on the tensor's bytes as they lie in a bucket."""
+    data = t.contiguous().view(torch.uint8).numpy()
+    return all_finite(memoryview(data), str(t.dtype).removeprefix("torch."), 0, data.nbytes)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: str(d).removeprefix("torch."))
+def test_all_finite_agrees_with_isfinite_on_every_bit_pattern(dtype: torch.dtype) -> None:
+    """Oracle: torch.isfinite, on every bit pattern of the 8- and 16-bit formats (one at a time) and on
+    random, extreme and non-finite values of the wider ones."""
+    width = torch.finfo(dtype).bits
+    if width <= 16:
+        bits = torch.arange(2**width, dtype=torch.int32).to(torch.int16 if width == 16 else torch.uint8)
+        values = bits.view(dtype)
+        expected = torch.isfinite(values.float())
+        assert bool(expected.all()) is False  # every format here has NaN patterns
+        finite_values = values[expected]
+        assert _finite(finite_values)  # all finite patterns at once
+        for i in torch.nonzero(~expected).flatten().tolist():  # each non-finite pattern among finite ones
+            probe = finite_values[:4096].clone()
+            probe[len(probe) // 2] = values[i]
+            assert not _finite(probe), f"pattern {int(bits[i]) & (2**width - 1):#x} of {dtype} not caught"
+    else:
+        info = torch.finfo(dtype)
+        t = torch.cat([torch.randn(5000, dtype=dtype), torch.tensor([info.max, -info.max, info.tiny, -0.0, 0.0], dtype=dtype)])
+        assert _finite(t)
+        for bad in (float("nan"), float("inf"), float("-inf"), -float("nan")):
+            u = t.clone()
+            u[4321] = bad
+            assert not _finite(u), f"{bad} in {dtype} not caught"
+
+
+def test_all_finite_reads_only_its_slice_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN just outside the slice is not this tensor's; one in a later chunk is."""
+    from bridge import finite
+
+    monkeypatch.setattr(finite, "CHUNK_BYTES", 256)
+    t = torch.randn(1000).to(torch.bfloat16)
+    t[0] = t[999] = float("nan")
+    data = memoryview(t.view(torch.uint8).numpy())
+    assert all_finite(data, "bfloat16", 2, 997 * 2)
+    t[900] = float("-inf")
+    assert not all_finite(data, "bfloat16", 2, 997 * 2)
+
+
+@pytest.mark.parametrize("algorithm", ["crc32c", "xxh3"])
+def test_fast_checksum_manifest_round_trip_and_verify(algorithm: str) -> None:
+    """The algorithm named in the manifest is the one verified; its sums (64-bit for xxh3) survive the wire."""
+    import zlib
+
     named = [("model.layers.0.mlp.weight", torch.randn(64, 32).to(torch.bfloat16)), ("model.norm.weight", torch.ones(32))]
     plan, tensors = make_plan(named, "bfloat16", 1 << 20)
     out = torch.empty(plan.bucket_sizes[0], dtype=torch.uint8)
-    sums = pack_bucket(plan, tensors, 0, out, checksum="crc32c")
-    manifest = wire.Manifest(version=3, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes, checksum="crc32c")
+    sums = pack_bucket(plan, tensors, 0, out, checksum=algorithm)
+    manifest = wire.Manifest(version=3, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes, checksum=algorithm)
     decoded = wire.decode(wire.encode(wire.Begin(manifest)))
-    assert isinstance(decoded, wire.Begin) and decoded.manifest.checksum == "crc32c"
+    assert isinstance(decoded, wire.Begin) and decoded.manifest.checksum == algorithm
+    header = wire.decode(wire.encode(wire.BucketHeader(version=3, index=0, checksums=tuple(sums))))
+    assert isinstance(header, wire.BucketHeader) and list(header.checksums) == sums
     view = memoryview(out.numpy())
-    verify_bucket(view, list(plan_specs(plan)), tuple(sums), "reject", "crc32c")
+    first = plan_specs(plan)[0]
+    if algorithm == "xxh3":  # an independent oracle: the xxhash package itself, and a sum wider than 32 bits
+        import xxhash
+
+        assert sums[0] == xxhash.xxh3_64(bytes(view[first.offset : first.offset + first.nbytes])).intdigest()
+        assert max(sums) > 0xFFFFFFFF
+    else:
+        assert sums[0] != zlib.crc32(bytes(view[first.offset : first.offset + first.nbytes]))
+    verify_bucket(view, list(plan_specs(plan)), tuple(sums), "reject", algorithm)
     with pytest.raises(ChecksumError, match="checksum mismatch"):  # the same sums are wrong under crc32
         verify_bucket(view, list(plan_specs(plan)), tuple(sums), "reject", "crc32")
     out[3] ^= 1
     with pytest.raises(ChecksumError, match="model.layers.0.mlp.weight: checksum mismatch"):
-        verify_bucket(view, list(plan_specs(plan)), tuple(sums), "reject", "crc32c")
+        verify_bucket(view, list(plan_specs(plan)), tuple(sums), "reject", algorithm)
 
 
 def test_manifest_without_checksum_means_crc32_and_unknown_is_refused() -> None:
@@ -56,7 +103,7 @@ def test_manifest_without_checksum_means_crc32_and_unknown_is_refused() -> None:
         wire.Manifest.from_wire(raw)
     with pytest.raises(WireError, match="unknown checksum algorithm 'md5'"):
         function("md5")
-    assert preferred() in ("crc32", "crc32c")
+    assert preferred() == "xxh3"  # the project installs xxhash: auto picks the fastest
 
 
 def test_nonfinite_still_rejected_through_verify() -> None:
