@@ -225,9 +225,10 @@ class NullGate:
 RAW = {"checksum": "none", "verify_checksums": False, "nonfinite": "allow"}
 
 
-def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versions: Versions, raw: bool = False) -> float:
-    """Median seconds to move the model (already in bfloat16) into a receiver in this process that stages
-    every bucket but has no engine: the data plane alone, checksums and finiteness included, or with
+def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versions: Versions, raw: bool = False,
+                            count: int = 1) -> float:
+    """Median seconds to move the model (already in bfloat16) into ``count`` receivers in this process that
+    stage every bucket but have no engine: the data plane alone, checksums and finiteness included, or with
     ``raw`` neither (``sync.checksum: none``, ``verify_checksums: false``, ``nonfinite: allow``)."""
     from bridge.config import config_from_dict
     from inference_side.receiver import SyncReceiver
@@ -235,14 +236,15 @@ def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versio
     config = _config("staged", plan.bucket_mb)
     if raw:
         config["sync"] = {**config["sync"], **RAW}
-    receiver = SyncReceiver(NullGate(), config_from_dict(config))
-    receiver.start()
+    receivers = [SyncReceiver(NullGate(), config_from_dict(config)) for _ in range(count)]
     try:
-        endpoint = receiver.ipc_endpoint if transport == "ipc" else receiver.endpoint
+        for receiver in receivers:
+            receiver.start()
+        endpoints = [r.ipc_endpoint if transport == "ipc" else r.endpoint for r in receivers]
         wire_transport = "zmq" if transport == "ipc" else transport
         totals = []
         for i in range(plan.reps + 1):
-            rep = trainer.ask(op="publish", endpoints=[endpoint], transport=wire_transport, version=versions.next(),
+            rep = trainer.ask(op="publish", endpoints=endpoints, transport=wire_transport, version=versions.next(),
                               config=config, precast="bfloat16")
             if not rep.get("ok"):
                 raise RuntimeError(f"{transport} alone failed: {rep}")
@@ -250,7 +252,8 @@ def measure_transport_alone(trainer: Trainer, transport: str, plan: Plan, versio
                 totals.append(rep["seconds"]["total"])
         return statistics.median(totals)
     finally:
-        receiver.stop()
+        for receiver in receivers:
+            receiver.stop()
 
 
 def measure_baselines(trainer: Trainer, engines: Engines, plan: Plan, workdir: Path, versions: Versions) -> dict[str, Any]:
@@ -315,8 +318,11 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
                     continue
                 engines.add(ckpt, count - len(engines.actors))
                 m = measure_bridge(trainer, engines, best["transport"], best["mode"], plan, versions)
+                # the same fan-out with no engines behind the receivers: what the transport itself costs
+                alone = measure_transport_alone(trainer, best["transport"], plan, versions, count=count)
                 rows.append({"model": kind, "transport": best["transport"], "mode": best["mode"], "receivers": count,
-                             "bytes": trainer.bytes, "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, **base, **m})
+                             "bytes": trainer.bytes, "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb,
+                             "transport_alone": alone, **base, **m})
     finally:
         trainer.close()
         engines.close()
@@ -392,6 +398,9 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         if len(scale) > 1:
             out.append(f"{model}: receivers " + ", ".join(f"{r['receivers']}: {r['bridge'] / scale[0]['bridge']:.2f}x" for r in scale)
                        + " (goal: 4 receivers <= 1.5x)")
+            if all(r.get("transport_alone") for r in scale):
+                out.append(f"{model}: {best['transport']} alone (receivers without engines) " + ", ".join(
+                    f"{r['receivers']}: {r['transport_alone'] / scale[0]['transport_alone']:.2f}x" for r in scale))
     for transport in sorted({r["transport"] for r in rows if r.get("transport_over_copy")}):
         alone = list({r["model"]: r for r in rows if r["transport"] == transport and r.get("transport_over_copy")
                       and r["receivers"] == 1 and not r.get("sweep")}.values())

@@ -44,3 +44,12 @@ def test_ratios_and_verdict_name_the_goals() -> None:
                and "goal for shm: >= 60%" in line for line in lines), lines
     fit = [line for line in lines if line.startswith("shm/staged vs model size")]
     assert len(fit) == 1 and "r2 1.000" in fit[0], lines
+
+
+def test_verdict_reports_receivers_with_and_without_engines() -> None:
+    rows = [_row("50m", "shm", "staged", 1e8, 0.1, alone=0.02)]
+    for count, bridge, alone in ((2, 0.25, 0.03), (4, 0.6, 0.05)):
+        rows.append(add_ratios({**rows[0], "receivers": count, "bridge": bridge, "transport_alone": alone}))
+    lines = verdict(rows)
+    assert "50m: receivers 1: 1.00x, 2: 2.50x, 4: 6.00x (goal: 4 receivers <= 1.5x)" in lines, lines
+    assert "50m: shm alone (receivers without engines) 1: 1.00x, 2: 1.50x, 4: 2.50x" in lines, lines
