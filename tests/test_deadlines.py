@@ -232,6 +232,34 @@ def test_refusal_is_the_only_answer_to_buckets_already_in_flight(start_receiver:
     assert gate.applied == []
 
 
+class TwiceRefusingEngine(FakeEngine):
+    """Answers Begin with a refusal, then at once with a second one, as a receiver did when buckets already
+    on the wire reached it after it had refused the update."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            frames = self.sock.recv_multipart()
+            msg = wire.decode(frames[1])
+            if isinstance(msg, wire.Hello):
+                self.sock.send_multipart([frames[0], wire.encode(Gate().info())])
+            elif isinstance(msg, wire.Begin):
+                version = msg.manifest.version
+                for reason in ("ChecksumError: the cause", "bucket 1 arrived outside an update"):
+                    self.sock.send_multipart([frames[0], wire.encode(wire.Ack(version=version, ok=False, reason=reason))])
+
+
+def test_publisher_reports_the_first_refusal() -> None:
+    engine = TwiceRefusingEngine()
+    try:
+        with WeightPublisher([engine.endpoint], config=cfg()) as pub, pytest.raises(UpdateFailed) as info:
+            pub.publish(WEIGHTS, version=2)
+    finally:
+        engine.close()
+    assert info.value.reasons[engine.endpoint] == "ChecksumError: the cause"
+
+
 # ---- back-pressure ---------------------------------------------------------------------------------
 
 def test_slow_receiver_back_pressure(start_receiver: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,7 +57,7 @@ def test_all_finite_reads_only_its_slice_across_chunks(monkeypatch: pytest.Monke
     t[0] = t[999] = float("nan")
     data = memoryview(t.view(torch.uint8).numpy())
     assert all_finite(data, "bfloat16", 2, 997 * 2)
-    t[900] = float("-inf")
+    t[1 + 7 * 128 - 1] = float("-inf")  # the slice starts at t[1]: the last element of its 7th 128-element chunk
     assert not all_finite(data, "bfloat16", 2, 997 * 2)
 
 
