@@ -8,6 +8,7 @@ publisher sends when their package is installed. The wire's ``checksums`` are un
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -15,21 +16,16 @@ from typing import Any
 from bridge.errors import WireError
 
 DEFAULT = "crc32"
-KNOWN = ("crc32", "crc32c", "xxh3")
 NONE = "none"  # the publisher sends no checksums (sync.checksum: none); receivers that verify refuse it
-PACKAGES = {"crc32c": "crc32c", "xxh3": "xxhash"}
+# algorithms that need a package: name -> (module, function), fastest first (``auto`` takes the first installed)
+OPTIONAL = {"xxh3": ("xxhash", "xxh3_64_intdigest"), "crc32c": ("crc32c", "crc32c")}
+KNOWN = (DEFAULT, *OPTIONAL)
 
 
 def _optional(name: str) -> Callable[[Any], int] | None:
+    module, attr = OPTIONAL[name]
     try:
-        if name == "crc32c":
-            import crc32c
-
-            fn: Callable[[Any], int] = crc32c.crc32c
-        else:
-            import xxhash
-
-            fn = xxhash.xxh3_64_intdigest
+        fn: Callable[[Any], int] = getattr(importlib.import_module(module), attr)
     except ImportError:
         return None
     return fn
@@ -39,14 +35,14 @@ def function(name: str) -> Callable[[Any], int]:
     """The checksum function called ``name``; WireError if this side cannot compute it."""
     if name == "crc32":
         return zlib.crc32
-    if name in PACKAGES:
+    if name in OPTIONAL:
         fn = _optional(name)
         if fn is None:
-            raise WireError(f"the manifest's checksum is {name} but the {PACKAGES[name]} package is not installed here")
+            raise WireError(f"the manifest's checksum is {name} but the {OPTIONAL[name][0]} package is not installed here")
         return fn
     raise WireError(f"unknown checksum algorithm {name!r} (known: {', '.join(KNOWN)})")
 
 
 def preferred() -> str:
     """The fastest algorithm available on this side."""
-    return next((name for name in ("xxh3", "crc32c") if _optional(name) is not None), DEFAULT)
+    return next((name for name in OPTIONAL if _optional(name) is not None), DEFAULT)

@@ -309,10 +309,10 @@ class SyncReceiver:
         else:
             self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
 
-    def _late(self, identity: bytes, version: int, what: str) -> bool:
+    def _late(self, session: _Session | None, identity: bytes, version: int, what: str) -> bool:
         """A bucket or End the publisher sent before it heard this update was refused: drop it quietly,
         so the refusal it already has (the cause) is the only answer."""
-        if identity not in self._sessions and self._refused.get(identity) == version:
+        if session is None and self._refused.get(identity) == version:
             logger.debug("dropping %s of refused update v%s from %r", what, version, identity)
             return True
         return False
@@ -349,7 +349,7 @@ class SyncReceiver:
 
     def _bucket(self, sock: Any, identity: bytes, header: wire.BucketHeader, payload: list[Any]) -> None:
         session = self._sessions.get(identity)
-        if self._late(identity, header.version, f"bucket {header.index}"):
+        if self._late(session, identity, header.version, f"bucket {header.index}"):
             return
         if session is None:
             self._fail(sock, identity, header.version, f"bucket {header.index} arrived outside an update")
@@ -428,7 +428,7 @@ class SyncReceiver:
 
     def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
         session = self._sessions.get(identity)
-        if self._late(identity, msg.version, "end"):
+        if self._late(session, identity, msg.version, "end"):
             return
         if session is None or msg.version != session.manifest.version:
             self._fail(sock, identity, msg.version, "end of an update that was never begun")
