@@ -86,8 +86,12 @@ class FakeEngine:
             self.seen.append(msg.type)
             if isinstance(msg, wire.Hello):
                 self.sock.send_multipart([frames[0], wire.encode(Gate().info())])
-            elif isinstance(msg, wire.Begin) and self.credits:
-                self.sock.send_multipart([frames[0], wire.encode(wire.Credit(version=msg.manifest.version, n=self.credits))])
+            elif isinstance(msg, wire.Begin):
+                self.begin(frames[0], msg.manifest.version)
+
+    def begin(self, identity: bytes, version: int) -> None:
+        if self.credits:
+            self.sock.send_multipart([identity, wire.encode(wire.Credit(version=version, n=self.credits))])
 
     def close(self) -> None:
         self._stop.set()
@@ -236,18 +240,9 @@ class TwiceRefusingEngine(FakeEngine):
     """Answers Begin with a refusal, then at once with a second one, as a receiver did when buckets already
     on the wire reached it after it had refused the update."""
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            frames = self.sock.recv_multipart()
-            msg = wire.decode(frames[1])
-            if isinstance(msg, wire.Hello):
-                self.sock.send_multipart([frames[0], wire.encode(Gate().info())])
-            elif isinstance(msg, wire.Begin):
-                version = msg.manifest.version
-                for reason in ("ChecksumError: the cause", "bucket 1 arrived outside an update"):
-                    self.sock.send_multipart([frames[0], wire.encode(wire.Ack(version=version, ok=False, reason=reason))])
+    def begin(self, identity: bytes, version: int) -> None:
+        for reason in ("ChecksumError: the cause", "bucket 1 arrived outside an update"):
+            self.sock.send_multipart([identity, wire.encode(wire.Ack(version=version, ok=False, reason=reason))])
 
 
 def test_publisher_reports_the_first_refusal() -> None:
