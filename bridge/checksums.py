@@ -11,19 +11,50 @@ from __future__ import annotations
 import importlib
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from bridge.errors import WireError
 
 DEFAULT = "crc32"
 NONE = "none"  # the publisher sends no checksums (sync.checksum: none); receivers that verify refuse it
-# algorithms that need a package: name -> (module, function), fastest first (``auto`` takes the first installed)
-OPTIONAL = {"xxh3": ("xxhash", "xxh3_64_intdigest"), "crc32c": ("crc32c", "crc32c")}
+# algorithms that need a package: name -> (module, function, running hasher class or "" when the function
+# continues from a previous value), fastest first (``auto`` takes the first installed)
+OPTIONAL = {"xxh3": ("xxhash", "xxh3_64_intdigest", "xxh3_64"), "crc32c": ("crc32c", "crc32c", "")}
 KNOWN = (DEFAULT, *OPTIONAL)
 
 
+class Running(Protocol):
+    """A checksum fed piece by piece: the same value as the function over the pieces joined."""
+
+    def update(self, data: Any) -> None: ...
+    def intdigest(self) -> int: ...
+
+
+class _Continued:
+    """A CRC-style function that takes the previous value as its second argument, fed piece by piece."""
+
+    def __init__(self, fn: Callable[[Any, int], int]) -> None:
+        self._fn = fn
+        self._value = 0
+
+    def update(self, data: Any) -> None:
+        self._value = self._fn(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
+
+
+def running(name: str) -> Callable[[], Running]:
+    """A factory of running checksums of algorithm ``name`` (WireError as for ``function``)."""
+    fn = function(name)
+    if name in OPTIONAL and OPTIONAL[name][2]:
+        factory: Callable[[], Running] = getattr(importlib.import_module(OPTIONAL[name][0]), OPTIONAL[name][2])
+        return factory
+    return lambda: _Continued(fn)  # type: ignore[arg-type]
+
+
 def _optional(name: str) -> Callable[[Any], int] | None:
-    module, attr = OPTIONAL[name]
+    module, attr, _ = OPTIONAL[name]
     try:
         fn: Callable[[Any], int] = getattr(importlib.import_module(module), attr)
     except ImportError:

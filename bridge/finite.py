@@ -9,6 +9,7 @@ here, against about 1.3 GB/s for a float sum and 0.6 GB/s for ``isfinite(t).all(
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # dtype -> (bytes per element, bits of +Inf (lowest positive non-finite), bits of -Inf (lowest negative one, unsigned))
@@ -23,16 +24,26 @@ LIMITS: dict[str, tuple[int, int, int]] = {
 CHUNK_BYTES = 2 << 20  # both reductions run over one chunk while it is in cache
 
 
-def all_finite(buffer: Any, dtype: str, offset: int = 0, nbytes: int | None = None) -> bool:
-    """True when every ``dtype`` element of ``buffer[offset:offset+nbytes]`` is finite (little-endian)."""
+def all_finite(buffer: Any, dtype: str, offset: int = 0, nbytes: int | None = None,
+               visit: Callable[[memoryview], None] | None = None) -> bool:
+    """True when every ``dtype`` element of ``buffer[offset:offset+nbytes]`` is finite (little-endian).
+
+    ``visit`` is handed each chunk's bytes, in order, just before the chunk is checked, so a checksum can
+    read them while they are in cache; with a visitor every chunk is read, even after a non-finite one."""
     import numpy as np
 
     width, pos_inf, neg_inf = LIMITS[dtype]
     total = (memoryview(buffer).nbytes - offset if nbytes is None else nbytes) // width
     signed = np.frombuffer(buffer, dtype=f"<i{width}", count=total, offset=offset)
     unsigned = signed.view(f"<u{width}")
+    raw = memoryview(buffer).cast("B")[offset : offset + total * width] if visit is not None else None
     step = CHUNK_BYTES // width
+    finite = True
     for start in range(0, total, step):
-        if int(signed[start : start + step].max()) >= pos_inf or int(unsigned[start : start + step].max()) >= neg_inf:
-            return False
-    return True
+        if raw is not None and visit is not None:
+            visit(raw[start * width : (start + step) * width])
+        elif not finite:
+            break
+        if finite and (int(signed[start : start + step].max()) >= pos_inf or int(unsigned[start : start + step].max()) >= neg_inf):
+            finite = False
+    return finite

@@ -78,6 +78,66 @@ class Segment:
             pass
 
 
+class KeptSegment(Segment):
+    """A publisher's segment mapped by an ``AttachCache``: the sessions that use it let go with ``close``,
+    which keeps the mapping; only the cache unmaps it."""
+
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__(name, size, create=False)
+
+    def close(self) -> None:
+        return None
+
+    def unmap(self) -> bool:
+        """Unmap now; False while views of it are still alive (try again later)."""
+        try:
+            self.mm.close()
+        except BufferError:
+            return False
+        return True
+
+
+class AttachCache:
+    """Publishers' shared-memory segments, mapped once and kept from one update to the next.
+
+    A publisher reuses one segment per bucket index, so the next update arrives in pages this process
+    has already mapped: reading a freshly mapped segment runs at about half the speed of a kept one here
+    (page-table set-up on first touch). Mappings pin a segment's memory after the publisher unlinks it,
+    so ``prune`` unmaps every segment whose file is gone (the receiver calls it about once a second)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, KeptSegment] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def attach(self, name: str, size: int) -> Segment:
+        """The kept mapping of ``name`` when it has ``size`` bytes; otherwise a new one (TransportError when
+        the segment cannot be mapped)."""
+        kept = self._kept.get(name)
+        if kept is not None and kept.size == size:
+            return kept
+        if kept is not None:
+            self._drop(name)
+        seg = self._kept[name] = KeptSegment(name, size)
+        return seg
+
+    def prune(self) -> None:
+        """Unmap the segments whose publisher has unlinked them."""
+        for name in [n for n in self._kept if not _path(n).exists()]:
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        if self._kept[name].unmap():
+            del self._kept[name]
+        else:  # a view is still alive; it stays listed and the next prune tries again
+            logger.debug("segment %s still has views; unmapping it later", name)
+
+    def close(self) -> None:
+        for name in list(self._kept):
+            self._drop(name)
+
+
 class SegmentPool:
     """Receive segments kept from one update to the next: writing into pages that are already faulted
     in runs several times faster than into fresh ones. Holds at most ``limit`` bytes of free segments

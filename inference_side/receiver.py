@@ -21,7 +21,7 @@ from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
-from bridge.shm import Segment, SegmentPool
+from bridge.shm import AttachCache, Segment, SegmentPool
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
 logger = logging.getLogger(__name__)
@@ -93,19 +93,30 @@ class _Session:
 def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str,
                   checksum: str = "crc32") -> None:
     """Checksums (algorithm ``checksum``; ``none``: not checked) of every tensor in a bucket and, under the
-    reject policy, finiteness of floats."""
-    from bridge.checksums import function
+    reject policy, finiteness of floats. Both read a float tensor in one pass, chunk by chunk; a checksum
+    mismatch is reported before a non-finite value (corruption on the way explains both)."""
+    from bridge.checksums import function, running
 
     crc = None if checksum == "none" else function(checksum)
+    fresh = None if checksum == "none" else running(checksum)
     if len(checksums) != len(specs):
         raise WireError(f"bucket {specs[0].bucket if specs else '?'}: {len(checksums)} checksums for {len(specs)} tensors")
     for spec, expected in zip(sorted(specs, key=lambda s: s.offset), _by_offset(specs, checksums), strict=True):
-        got = crc(view[spec.offset : spec.offset + spec.nbytes]) if crc is not None else expected
+        floats = nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes > 0
+        finite = True
+        if crc is None or fresh is None:
+            got = expected
+            finite = not floats or all_finite(view, spec.dtype, spec.offset, spec.nbytes)
+        elif floats and spec.offset + spec.nbytes <= view.nbytes:  # (a truncated one fails its checksum below)
+            hasher = fresh()
+            finite = all_finite(view, spec.dtype, spec.offset, spec.nbytes, visit=hasher.update)
+            got = hasher.intdigest()
+        else:
+            got = crc(view[spec.offset : spec.offset + spec.nbytes])
         if got != expected:
             raise ChecksumError(f"tensor {spec.name}: checksum mismatch (got {got:#010x}, manifest says {expected:#010x})")
-        if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
-            if not all_finite(view, spec.dtype, spec.offset, spec.nbytes):
-                raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
+        if not finite:
+            raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
 
 
 def _by_offset(specs: list[wire.TensorSpec], checksums: tuple[int, ...]) -> list[int]:
@@ -129,6 +140,8 @@ class SyncReceiver:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
+        self._attached = AttachCache()  # publishers' shm segments, mapped once (transport shm)
+        self._pruned = 0.0
         self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s, config.transport.bind_host)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -256,6 +269,7 @@ class SyncReceiver:
                 session.close()
             self._inbox.close()
             self._pool.close()
+            self._attached.close()
             sock.close(0)
             if self._ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -364,7 +378,7 @@ class SyncReceiver:
             if header.segment:
                 if m.transport != "shm":
                     raise WireError("bucket names a shared-memory segment but the manifest's transport is not shm")
-                segment = Segment.attach(header.segment, size)
+                segment = self._attached.attach(header.segment, size)
             elif m.transport in COLLECTIVE:
                 if payload:
                     raise WireError(f"bucket {header.index}: bytes arrived as a ZMQ frame, but the transport is {m.transport}")
@@ -452,6 +466,9 @@ class SyncReceiver:
 
     def _tick(self, sock: Any) -> None:
         now = time.monotonic()
+        if len(self._attached) and now - self._pruned >= 1.0:
+            self._pruned = now
+            self._attached.prune()
         deadlines = self.config.deadlines
         for identity, session in list(self._sessions.items()):
             version = session.manifest.version

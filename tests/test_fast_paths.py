@@ -217,3 +217,104 @@ def test_pack_without_checksums_writes_the_same_bytes() -> None:
     zeros = pack_bucket(plan, tensors, 0, without, checksum="none")
     assert torch.equal(with_sums, without)
     assert zeros == [0, 0] and all(sums)
+
+
+# ---- one pass for checksum and finiteness; publishers' segments mapped once --------------------------
+
+@pytest.mark.parametrize("algorithm", ["crc32", "crc32c", "xxh3"])
+def test_running_checksum_equals_the_one_shot_function(algorithm: str) -> None:
+    from bridge.checksums import running
+
+    data = torch.randint(0, 256, (100_003,), dtype=torch.uint8).numpy().tobytes()
+    for cuts in ((), (1,), (4096, 4097, 65_536), tuple(range(7, 100_003, 9_999))):
+        hasher = running(algorithm)()
+        for start, end in zip((0, *cuts), (*cuts, len(data)), strict=True):
+            hasher.update(memoryview(data)[start:end])
+        assert hasher.intdigest() == function(algorithm)(data), (algorithm, cuts)
+
+
+def _float_bucket(t: torch.Tensor, algorithm: str) -> tuple[memoryview, list[wire.TensorSpec], tuple[int, ...]]:
+    raw = t.view(torch.uint8).numpy()
+    spec = wire.TensorSpec("model.layers.0.mlp.weight", "bfloat16", tuple(t.shape), 0, 0, raw.nbytes)
+    return memoryview(raw), [spec], (function(algorithm)(raw.tobytes()),)
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "xxh3"])
+def test_one_pass_verify_checks_every_chunk(monkeypatch: pytest.MonkeyPatch, algorithm: str) -> None:
+    """Checksum and finiteness read a tensor chunk by chunk in one pass: the whole tensor is summed, a NaN
+    in its last chunk is found, and when both are wrong the checksum is what is reported."""
+    from bridge import finite
+
+    monkeypatch.setattr(finite, "CHUNK_BYTES", 256)  # 128 bfloat16 per chunk: 1000 elements make 8 chunks
+    t = torch.randn(1000).to(torch.bfloat16)
+    view, specs, sums = _float_bucket(t, algorithm)
+    verify_bucket(view, specs, sums, "reject", algorithm)
+    t[999] = float("nan")  # the checksum was taken before: both are wrong now
+    with pytest.raises(ChecksumError, match="model.layers.0.mlp.weight: checksum mismatch"):
+        verify_bucket(view, specs, sums, "reject", algorithm)
+    view, specs, sums = _float_bucket(t, algorithm)  # summed with the NaN in: only finiteness is wrong
+    with pytest.raises(NonFiniteError, match="model.layers.0.mlp.weight: holds NaN or Inf"):
+        verify_bucket(view, specs, sums, "reject", algorithm)
+    verify_bucket(view, specs, sums, "allow", algorithm)
+
+
+def test_attach_cache_maps_a_segment_once_and_unmaps_it_once_unlinked() -> None:
+    from pathlib import Path
+
+    from bridge.shm import AttachCache, Segment
+
+    def mapped(name: str) -> bool:
+        return name in Path("/proc/self/maps").read_text()
+
+    owner = Segment.create("test", 1 << 16)
+    cache = AttachCache()
+    try:
+        first = cache.attach(owner.name, 1 << 16)
+        first.close()  # what a session does when its update ends: the mapping stays
+        owner.buffer[:4] = b"next"  # the publisher writes the next update into the same segment
+        again = cache.attach(owner.name, 1 << 16)
+        assert again is first and bytes(again.buffer[:4]) == b"next"
+        cache.prune()
+        assert len(cache) == 1 and mapped(owner.name)  # still linked: kept
+        owner.close()  # the publisher closes: unlinked, but our mapping would pin its memory
+        assert mapped(owner.name)
+        cache.prune()
+        assert len(cache) == 0 and not mapped(owner.name)
+    finally:
+        owner.close()
+        cache.close()
+
+
+def test_receiver_maps_shm_buckets_once_and_lets_go_when_the_publisher_closes() -> None:
+    """Two updates over shm reuse one mapping per bucket; once the publisher closes, the receiver unmaps
+    them within about a second, so no segment's memory stays pinned."""
+    import time
+    from pathlib import Path
+
+    from bridge.config import config_from_dict
+    from inference_side.receiver import SyncReceiver
+    from trainer_side import WeightPublisher
+
+    def ours() -> set[str]:
+        return {line.split()[-2].rsplit("/", 1)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                if "/dev/shm/wb-bucket-" in line and line.endswith("(deleted)")}
+
+    gate = _Gate()
+    rx = SyncReceiver(gate, config_from_dict({}))
+    rx.start()
+    try:
+        weights = [(f"model.layers.{i}.mlp.weight", torch.randn(256, 256).to(torch.bfloat16)) for i in range(4)]
+        config = config_from_dict({"transport": {"bucket_mb": 0.25}})
+        with WeightPublisher(rx.endpoint, config=config, transport="shm") as pub:
+            assert pub.publish(weights, 1).ok
+            first = dict(rx._attached._kept)
+            assert pub.publish(weights, 2).ok
+            assert len(first) == 2 and rx._attached._kept == first  # the same two mappings, not new ones
+            assert all(a is b for a, b in zip(first.values(), rx._attached._kept.values(), strict=True))
+            assert gate.applied == [1, 2]
+        deadline = time.monotonic() + 5
+        while len(rx._attached) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(rx._attached) == 0 and not ours()
+    finally:
+        rx.stop()
