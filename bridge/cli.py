@@ -4,6 +4,7 @@
     weight-bridge serve --port P    dashboard, JSON API and Prometheus /metrics
     weight-bridge bench [...]       measure sync latency and throughput
     weight-bridge health --url U    one-line verdict per engine; non-zero exit if any is unhealthy
+    weight-bridge relay --engine E  a host-local relay: one network copy, shared memory to each engine
 
 ``weight-bridge <command> --help`` explains each command.
 """
@@ -149,6 +150,21 @@ def cmd_health(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if all(e.get("health") == "ok" for e in engines) else EXIT_UNHEALTHY
 
 
+# ---- relay ----------------------------------------------------------------------------------------------
+def cmd_relay(args: argparse.Namespace, extra: list[str]) -> int:
+    import threading
+
+    from inference_side.relay import Relay
+
+    relay = Relay(args.engine, load_config(args.config), name=args.name)
+    print(f"weight-bridge relay {relay.endpoint()} -> {', '.join(args.engine)}  (Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    finally:
+        relay.shutdown()
+    return 0
+
+
 # ---- parser ---------------------------------------------------------------------------------------------
 Handler = Callable[[argparse.Namespace, list[str]], int]
 
@@ -210,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--url", default=DEFAULT_URL, help=f"base URL of the dashboard (default: {DEFAULT_URL})")
     health.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                         help="timeout of each request (default: 5)")
+    relay = add("relay", cmd_relay, "run a host-local relay in front of this host's engines",
+                "Run a host-local relay: publishers on other hosts send each update once, over tcp://, to\n"
+                "the relay; it stages and verifies it in shared memory and forwards it to every --engine\n"
+                "(their ipc:// or tcp:// endpoints on this host) over the shm transport. It answers ok\n"
+                "only when every engine applied the version; a refusal names the engine and its reason.\n"
+                "Prints its endpoint, then runs until interrupted.",
+                epilog="example:\n  weight-bridge relay --engine ipc:///tmp/wb-ipc-a/receiver.sock "
+                       "--engine ipc:///tmp/wb-ipc-b/receiver.sock")
+    relay.add_argument("--engine", action="append", required=True, metavar="ENDPOINT",
+                       help="endpoint of a local engine's receiver (repeat for each engine)")
+    relay.add_argument("--config", metavar="FILE.yaml", help="config file (default: configs/default.yaml)")
+    relay.add_argument("--name", metavar="NAME", help="the relay's publisher name (default: relay-<hostname>)")
     return parser
 
 

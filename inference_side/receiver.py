@@ -33,6 +33,7 @@ class StagedBucket:
     index: int
     segment: Segment
     specs: list[wire.TensorSpec]
+    checksums: tuple[int, ...] = ()  # as the bucket's header gave them (a relay forwards them)
 
 
 @dataclass(frozen=True)
@@ -406,7 +407,7 @@ class SyncReceiver:
         """Bucket ``index`` lies complete in ``segment``: verify it, then load it (streaming) or credit it back."""
         m = session.manifest
         specs = m.by_bucket()[index]
-        session.buckets[index] = StagedBucket(index, segment, specs)
+        session.buckets[index] = StagedBucket(index, segment, specs, checksums)
         session.bytes_in += m.bucket_sizes[index]
         try:
             scfg = self.config.sync

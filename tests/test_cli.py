@@ -29,6 +29,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     ("health", ["--url", "--timeout", "Exit status", "DEGRADED", "UNREACHABLE"]),
     ("demo", ["bridge.demo", "every option", "weight-bridge demo"]),
     ("bench", ["bench/run.py", "every option", "weight-bridge bench"]),
+    ("relay", ["--engine", "--config", "shared memory", "names the engine"]),
 ])
 def test_subcommand_help_exits_0_and_explains_its_options(command: str, mentions: list[str]) -> None:
     proc = cli(command, "--help")
@@ -43,7 +44,7 @@ def test_top_level_help_lists_every_subcommand() -> None:
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "bridge.cli"]
     proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=60)
     assert proc.returncode == 0
-    for command in ("demo", "serve", "bench", "health"):
+    for command in ("demo", "serve", "bench", "health", "relay"):
         assert re.search(rf"^\s+{command}\s", proc.stdout, re.M), proc.stdout
 
 

@@ -318,3 +318,34 @@ def test_receiver_maps_shm_buckets_once_and_lets_go_when_the_publisher_closes() 
         assert len(rx._attached) == 0 and not ours()
     finally:
         rx.stop()
+
+
+def test_shm_plane_writes_the_update_after_a_failed_one_into_fresh_segments() -> None:
+    """A failed update's segments may still be read by an engine whose apply overran its deadline: the next
+    update must not rewrite them. Successful updates keep reusing theirs."""
+    from bridge.config import config_from_dict
+    from bridge.errors import UpdateFailed
+    from inference_side.receiver import SyncReceiver
+    from trainer_side import WeightPublisher
+
+    gate = _Gate()
+    rx = SyncReceiver(gate, config_from_dict({}))
+    rx.start()
+    good = [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))]
+    bad = [("model.norm.weight", torch.full((64,), float("nan"), dtype=torch.bfloat16))]
+    try:
+        with WeightPublisher(rx.endpoint, transport="shm") as pub:
+            def names() -> set[str]:
+                return {s.name for s in pub._planes["shm"]._segments.values()}  # type: ignore[attr-defined]
+
+            assert pub.publish(good, 1).ok
+            first = names()
+            with pytest.raises(UpdateFailed, match="NaN"):
+                pub.publish(bad, 2)
+            assert pub.publish(good, 3).ok
+            after_failure = names()
+            assert pub.publish(good, 4).ok
+            assert first and after_failure and not first & after_failure
+            assert names() == after_failure and gate.applied == [1, 3, 4]
+    finally:
+        rx.stop()

@@ -10,8 +10,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bridge import wire
@@ -19,7 +19,7 @@ from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
 from bridge.transports import COLLECTIVE_BACKENDS, send_plane
-from bridge.transports.base import SendPlane
+from bridge.transports.base import OutgoingBucket, SendPlane
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
 
 logger = logging.getLogger(__name__)
@@ -204,20 +204,62 @@ class WeightPublisher:
         """Send one version to every engine; return after each applied it, raise UpdateFailed otherwise."""
         t_start = time.perf_counter()
         self._current = version
-        self._hello()
-        dtypes = {p.info.dtype for p in self._peers if p.info}
-        if len(dtypes) != 1:
-            raise TransportError(f"engines serve different dtypes {sorted(dtypes)}; publish to each group separately")
-        dtype = dtypes.pop()
-        lacking = [p.endpoint for p in self._peers if p.info and self.transport not in p.info.transports]
-        if lacking:
-            raise TransportError(f"transport {self.transport!r} is not offered by {lacking} (they offer "
-                                 f"{sorted({t for p in self._peers if p.info for t in p.info.transports})})")
+        dtype = self._agreed_dtype()
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
                                  publisher=self.name, transport=self.transport, probe=probe, checksum=self._checksum())
         plane = self._plane()
+
+        def pack(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
+            buffer = plane.allocate(index, size)
+            sums = pack_bucket(plan, tensors, index, buffer, checksum=manifest.checksum)
+            return plane.seal(index, buffer), tuple(sums)
+
+        return self._stream(manifest, plane, pack, t_start)
+
+    def forward(self, manifest: wire.Manifest, buckets: list[tuple[str, tuple[int, ...]]]) -> PublishReport:
+        """Send an update whose buckets already lie packed in shared-memory segments: ``buckets`` holds each
+        bucket's segment name and checksums, in index order (a host-local relay's path: nothing is copied).
+        The manifest goes out as this publisher's, over shm; raise UpdateFailed as ``publish`` does."""
+        if self.transport != "shm":
+            raise TransportError(f"forward sends buckets that lie in shared memory: the transport must be shm, not {self.transport}")
+        if len(buckets) != len(manifest.bucket_sizes):
+            raise WireError(f"forward: {len(buckets)} staged buckets for a manifest of {len(manifest.bucket_sizes)}")
+        t_start = time.perf_counter()
+        self._current = manifest.version
+        self._agreed_dtype()
+        manifest = replace(manifest, publisher=self.name, transport="shm")
+
+        def staged(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
+            segment, sums = buckets[index]
+            return OutgoingBucket(index, None, (), segment=segment), sums
+
+        return self._stream(manifest, self._plane(), staged, t_start)
+
+    def _agreed_dtype(self) -> str:
+        """Connect to every engine (once) and return the one dtype they serve; TransportError when they
+        differ or one of them lacks this publisher's transport."""
+        self._hello()
+        dtypes = {p.info.dtype for p in self._peers if p.info}
+        if len(dtypes) != 1:
+            raise TransportError(f"engines serve different dtypes {sorted(dtypes)}; publish to each group separately")
+        lacking = [p.endpoint for p in self._peers if p.info and self.transport not in p.info.transports]
+        if lacking:
+            raise TransportError(f"transport {self.transport!r} is not offered by {lacking} (they offer "
+                                 f"{sorted({t for p in self._peers if p.info for t in p.info.transports})})")
+        return dtypes.pop()
+
+    def engines(self) -> list[wire.EngineInfo]:
+        """What every engine answered on connecting (connects first if needed)."""
+        self._hello()
+        return [p.info for p in self._peers if p.info is not None]
+
+    def _stream(self, manifest: wire.Manifest, plane: SendPlane,
+                produce: Callable[[int, int], tuple[OutgoingBucket, tuple[int, ...]]], t_start: float) -> PublishReport:
+        """Begin -> buckets in order (``produce(index, size)`` makes each one while the previous is on the
+        wire; never more in flight per engine than it granted) -> End -> every engine's ack."""
+        version = manifest.version
         offers = plane.offers([p.endpoint for p in self._peers])
         for peer, offer in zip(self._peers, offers, strict=False):
             self._send(peer, offer)
@@ -230,13 +272,11 @@ class WeightPublisher:
         deadlines = self.config.deadlines
         try:
             self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.manifest_s, "manifest", self._peers)
-            for index, size in enumerate(plan.bucket_sizes):
+            for index, size in enumerate(manifest.bucket_sizes):
                 t0 = time.perf_counter()
-                buffer = plane.allocate(index, size)
-                sums = pack_bucket(plan, tensors, index, buffer, checksum=manifest.checksum)
-                out = plane.seal(index, buffer)
+                out, sums = produce(index, size)
                 seconds["pack"] += time.perf_counter() - t0
-                header = wire.BucketHeader(version=version, index=index, checksums=tuple(sums), segment=out.segment)
+                header = wire.BucketHeader(version=version, index=index, checksums=sums, segment=out.segment)
                 active = [p for p in self._peers if p.ack is None]
                 self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.bucket_s, f"bucket {index}", active)
                 for rank, peer in enumerate(self._peers):

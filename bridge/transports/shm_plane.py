@@ -2,7 +2,9 @@
 host (and every TP worker behind them) map it in place. Zero copies on the wire.
 
 Segments are kept per bucket index and reused by the next update (receivers may map a bucket until
-they acknowledge, so a segment is rewritten only by a later update); ``close`` unlinks them."""
+they acknowledge, so a segment is rewritten only by a later update); ``close`` unlinks them. After a
+failed update they are not reused: an engine whose apply ran past its deadline may still be reading
+them, so the next update writes into fresh segments."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class ShmSendPlane(SendPlane):
 
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         return OutgoingBucket(index, buffer, (), segment=self._segments[index].name)
+
+    def release(self, failed: bool = False) -> None:
+        if failed:
+            self.close()
 
     def close(self) -> None:
         for seg in self._segments.values():
