@@ -203,6 +203,27 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
     }
 
 
+def measure_relay(trainer: Trainer, engines: Engines, mode: str, plan: Plan, versions: Versions) -> dict[str, Any]:
+    """Fan-out across hosts as a relay does it: the trainer sends each update once, over tcp://, to a relay
+    (in this process) in front of every engine; the relay forwards it to their ipc:// endpoints over shm."""
+    from inference_side.relay import Relay
+
+    engines.set_mode(mode, plan.bucket_mb)
+    config = _config(mode, plan.bucket_mb)
+    relay = Relay(engines.ipc_endpoints, config, name="bench-relay")
+    try:
+        totals = []
+        for i in range(plan.reps + 1):
+            rep = trainer.ask(op="publish", endpoints=[relay.endpoint()], transport="zmq", version=versions.next(), config=config)
+            if not rep.get("ok") or not all(e["verified"] for e in rep["engines"]):
+                raise RuntimeError(f"relay {mode} failed or unverified: {rep}")
+            if i:  # the first one warms the relay's staging
+                totals.append(rep["seconds"]["total"])
+        return {"bridge": statistics.median(totals), "bridge_all": totals, "phases": {}, "peak_rss_growth_bytes": None}
+    finally:
+        relay.shutdown()
+
+
 class NullGate:
     """A receiver with no engine behind it: stages and verifies every bucket, applies nothing. Publishing
     to it measures the transport alone."""
@@ -320,9 +341,13 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
                 m = measure_bridge(trainer, engines, best["transport"], best["mode"], plan, versions)
                 # the same fan-out with no engines behind the receivers: what the transport itself costs
                 alone = measure_transport_alone(trainer, best["transport"], plan, versions, count=count)
-                rows.append({"model": kind, "transport": best["transport"], "mode": best["mode"], "receivers": count,
-                             "bytes": trainer.bytes, "limit": limit, "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb,
-                             "transport_alone": alone, **base, **m})
+                common = {"model": kind, "mode": best["mode"], "receivers": count, "bytes": trainer.bytes, "limit": limit,
+                          "copy_gbps": bw / 1e9, "bucket_mb": plan.bucket_mb, **base}
+                rows.append({**common, "transport": best["transport"], "transport_alone": alone, **m})
+                # across hosts: one tcp:// stream per engine, against one stream to a host-local relay
+                direct = measure_bridge(trainer, engines, "zmq", best["mode"], plan, versions)
+                rows.append({**common, "transport": "zmq", "fanout": True, **direct})
+                rows.append({**common, "transport": "relay", "fanout": True, **measure_relay(trainer, engines, best["mode"], plan, versions)})
     finally:
         trainer.close()
         engines.close()
@@ -383,7 +408,7 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"{model}: fastest {best['transport']}/{best['mode']}: bridge/B={best['bridge_over_baseline_b']:.2f} "
                    f"(goal <= 1.25), A/bridge={best['baseline_a_over_bridge']:.2f} (goal >= 3)")
         scale = sorted((r for r in rows if r["model"] == model and r["transport"] == best["transport"]
-                        and r["mode"] == best["mode"] and not r.get("sweep")), key=lambda r: r["receivers"])
+                        and r["mode"] == best["mode"] and not r.get("sweep") and not r.get("fanout")), key=lambda r: r["receivers"])
         sweep = sorted((r for r in rows if r["model"] == model and r["receivers"] == 1 and r["transport"] == best["transport"]
                         and r["mode"] == best["mode"]), key=lambda r: r.get("bucket_mb", 0))
         if len(sweep) > 1:
@@ -401,6 +426,12 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
             if all(r.get("transport_alone") for r in scale):
                 out.append(f"{model}: {best['transport']} alone (receivers without engines) " + ", ".join(
                     f"{r['receivers']}: {r['transport_alone'] / scale[0]['transport_alone']:.2f}x" for r in scale))
+        fanout = {(r["transport"], r["receivers"]): r for r in rows if r["model"] == model and r.get("fanout")}
+        for count in sorted({n for _, n in fanout}):
+            direct, relay = fanout.get(("zmq", count)), fanout.get(("relay", count))
+            if direct and relay:
+                out.append(f"{model}: {count} engines over tcp://: one stream each {direct['bridge']:.3f}s, one stream to a "
+                           f"host-local relay {relay['bridge']:.3f}s (direct/relay {direct['bridge'] / relay['bridge']:.2f})")
     for transport in sorted({r["transport"] for r in rows if r.get("transport_over_copy")}):
         alone = list({r["model"]: r for r in rows if r["transport"] == transport and r.get("transport_over_copy")
                       and r["receivers"] == 1 and not r.get("sweep")}.values())

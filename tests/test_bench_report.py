@@ -53,3 +53,14 @@ def test_verdict_reports_receivers_with_and_without_engines() -> None:
     lines = verdict(rows)
     assert "50m: receivers 1: 1.00x, 2: 2.50x, 4: 6.00x (goal: 4 receivers <= 1.5x)" in lines, lines
     assert "50m: shm alone (receivers without engines) 1: 1.00x, 2: 1.50x, 4: 2.50x" in lines, lines
+
+
+def test_verdict_compares_direct_tcp_fan_out_with_a_relay() -> None:
+    rows = [_row("50m", "zmq", "staged", 1e8, 0.1, alone=0.02)]  # zmq fastest: its fan-out rows must stay apart
+    rows.append(add_ratios({**rows[0], "receivers": 2, "bridge": 0.25}))
+    rows.append(add_ratios({**rows[0], "transport": "zmq", "receivers": 2, "bridge": 0.9, "fanout": True}))
+    rows.append(add_ratios({**rows[0], "transport": "relay", "receivers": 2, "bridge": 0.6, "fanout": True}))
+    lines = verdict(rows)
+    assert ("50m: 2 engines over tcp://: one stream each 0.900s, one stream to a host-local relay 0.600s "
+            "(direct/relay 1.50)") in lines, lines
+    assert "50m: receivers 1: 1.00x, 2: 2.50x (goal: 4 receivers <= 1.5x)" in lines, lines  # fan-out rows kept apart
