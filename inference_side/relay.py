@@ -8,26 +8,44 @@ the segments it staged: each engine maps them in place (zero copies after the ne
 the publisher is the engines' answers combined: ok only when every engine applied the version; a refusal
 names the engine and its reason.
 
-The relay is store-and-forward (the whole update is staged before the first engine loads it) and answers
-as one engine: ``EngineInfo.version`` is the oldest version its engines serve. ``RelayActor`` (in
-``inference_side/__init__.py``) is this class as a Ray actor, placed on the engines' node.
+With ``sync.mode: streaming`` (the relay's own config) each bucket is forwarded as soon as it is staged and
+verified, so the engines load bucket k while bucket k+1 crosses the network; otherwise the relay stores the
+whole update, then forwards it. Either way it holds the update's buckets in ``/dev/shm`` until every engine
+answered, and it answers as one engine: ``EngineInfo.version`` is the oldest version its engines served at
+the last update. ``RelayActor`` (in ``inference_side/__init__.py``) is this class as a Ray actor, placed on
+the engines' node.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from bridge import wire
 from bridge.config import BridgeConfig
-from bridge.errors import BridgeError, ConfigError, UpdateFailed
+from bridge.errors import BridgeError, ConfigError, TransportError, UpdateFailed
 from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
 from inference_side.server import resolve_config
+from trainer_side.publisher import PublishReport
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Forward:
+    """A streaming forward in progress: staged buckets queue up for the thread that sends them on."""
+
+    version: int
+    buckets: queue.Queue[tuple[str, tuple[int, ...]] | str] = field(default_factory=queue.Queue)
+    held: set[str] = field(default_factory=set)  # segments forwarded: engines may map them until they answer
+    outcome: PublishReport | BridgeError | None = None
+    thread: threading.Thread | None = None
+    started: float = field(default_factory=time.perf_counter)
 
 
 class RelayGate:
@@ -37,6 +55,8 @@ class RelayGate:
     def __init__(self, engines: list[str], config: BridgeConfig, name: str) -> None:
         from trainer_side.publisher import WeightPublisher
 
+        self.config = config
+        self._stream: _Forward | None = None
         if not engines:
             raise ConfigError("a relay needs at least one local engine endpoint")
         self.name = name
@@ -66,13 +86,24 @@ class RelayGate:
         staged = [(b.segment.name, b.checksums) for b in sorted(buckets, key=lambda b: b.index)]
         t0 = time.perf_counter()
         with self._lock:
-            try:
-                report = self._forwarder.forward(manifest, staged)
-            except UpdateFailed as exc:
-                logger.warning("relay %s: version %s refused by %s", self.name, manifest.version, sorted(exc.reasons))
-                return ApplyResult(False, "relayed to " + "; ".join(f"{ep}: {why}" for ep, why in exc.reasons.items()))
-            except BridgeError as exc:
-                return ApplyResult(False, f"relay could not forward: {type(exc).__name__}: {exc}")
+            outcome = self._forward(manifest, staged.__getitem__)
+        return self._result(manifest, outcome, timings, t0)
+
+    def _forward(self, manifest: wire.Manifest, staged: Any) -> PublishReport | BridgeError:
+        try:
+            return self._forwarder.forward(manifest, staged)
+        except BridgeError as exc:
+            return exc
+
+    def _result(self, manifest: wire.Manifest, outcome: PublishReport | BridgeError, timings: dict[str, float],
+                t0: float) -> ApplyResult:
+        """The engines' answers as one: ok only when every engine applied the version."""
+        if isinstance(outcome, UpdateFailed):
+            logger.warning("relay %s: version %s refused by %s", self.name, manifest.version, sorted(outcome.reasons))
+            return ApplyResult(False, "relayed to " + "; ".join(f"{ep}: {why}" for ep, why in outcome.reasons.items()))
+        if isinstance(outcome, BridgeError):
+            return ApplyResult(False, f"relay could not forward: {type(outcome).__name__}: {outcome}")
+        report = outcome
         self.versions = [manifest.version if e.ok and not e.noop else v for e, v in zip(report.engines, self.versions, strict=True)]
         engines = [{"endpoint": e.endpoint, "ok": e.ok, "noop": e.noop, "verified": e.verified,
                     "seconds": e.seconds} for e in report.engines]
@@ -82,6 +113,70 @@ class RelayGate:
                    "relay_engine_apply": max(e.seconds.get("apply", 0.0) for e in report.engines)}
         return ApplyResult(True, "", {"relayed": engines, "stale_tensors": stale, "identity_violations": moved,
                                       "seconds": seconds, "noop": all(e.noop for e in report.engines)})
+
+    # ---- streaming: the receiver calls these in order on its apply thread ------------------------------
+    def stream_begin(self, manifest: wire.Manifest) -> None:
+        self._lock.acquire()  # released by stream_finish / stream_abort
+        stream = self._stream = _Forward(manifest.version)
+        wait_s = self.config.deadlines.bucket_s
+
+        def staged(index: int) -> tuple[str, tuple[int, ...]]:
+            try:
+                item = stream.buckets.get(timeout=wait_s)
+            except queue.Empty:
+                raise TransportError(f"relay: bucket {index} was not staged within {wait_s}s") from None
+            if isinstance(item, str):
+                raise TransportError(f"relay: the update was abandoned upstream: {item}")
+            return item
+
+        def run() -> None:
+            stream.outcome = self._forward(manifest, staged)
+
+        stream.thread = threading.Thread(target=run, name="wb-relay-forward", daemon=True)
+        stream.thread.start()
+
+    def stream_load(self, manifest: wire.Manifest, bucket: StagedBucket) -> str:
+        """Hand one verified bucket to the forwarding thread; an error once the forward has failed."""
+        stream = self._stream
+        if stream is None or stream.version != manifest.version:
+            return f"bucket {bucket.index} of version {manifest.version} arrived outside its streaming update"
+        if isinstance(stream.outcome, BridgeError):
+            return self._result(manifest, stream.outcome, {}, stream.started).reason
+        stream.held.add(bucket.segment.name)
+        stream.buckets.put((bucket.segment.name, bucket.checksums))
+        return ""
+
+    def stream_held(self) -> frozenset[str]:
+        """Segments forwarded in the open update: the receiver must not reuse them before it ends."""
+        stream = self._stream
+        return frozenset(stream.held) if stream is not None else frozenset()
+
+    def stream_finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
+        stream = self._stream
+        try:
+            if stream is None or stream.version != manifest.version or stream.thread is None:
+                return ApplyResult(False, f"no streaming update of version {manifest.version} is open")
+            stream.thread.join()  # ends by the forwarder's own deadlines (acks, heartbeats)
+            outcome = stream.outcome or TransportError("relay: the forward ended without an outcome")
+            return self._result(manifest, outcome, timings, stream.started)
+        finally:
+            self._end_stream()
+
+    def stream_abort(self, manifest: wire.Manifest, reason: str) -> None:
+        stream = self._stream
+        if stream is None or stream.version != manifest.version:
+            return
+        try:
+            stream.buckets.put(reason)  # the forwarder aborts the engines' update, naming the reason
+            if stream.thread is not None:
+                stream.thread.join()
+        finally:
+            self._end_stream()
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream = None
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:

@@ -69,7 +69,7 @@ def host() -> Any:
     receivers = [SyncReceiver(g, config_from_dict(SMALL)) for g in gates]
     endpoints = [r.start() for r in receivers]
     relay = Relay(endpoints, SMALL, name="relay-test")
-    yield {"gates": gates, "relay": relay, "endpoints": endpoints}
+    yield {"gates": gates, "relay": relay, "endpoints": endpoints, "receivers": receivers}
     relay.shutdown()
     for r in receivers:
         r.stop()
@@ -119,6 +119,82 @@ def test_relay_refuses_bad_input_before_any_engine_sees_it(host: Any) -> None:
         assert 5 in gate.begun and 6 not in gate.begun  # the relay refused it: no engine was even asked
 
 
+def test_streaming_relay_forwards_a_bucket_before_the_next_one_exists_upstream(host: Any) -> None:
+    """With sync.mode: streaming the relay hands each verified bucket on at once: the engines hold bucket 0
+    of the update while the upstream publisher has not sent bucket 1 yet."""
+    weights = _weights(4)
+    with RawUpstream(host, weights, version=8) as up:
+        up.send(0)
+        up.wait_engines_staged(1)
+        for index in range(1, up.buckets):
+            up.send(index)
+        up.client.send(wire.End(version=8))
+        ack = up.client.until(wire.Ack)
+        assert ack.ok, ack.reason
+    for gate in host["gates"]:
+        for name, tensor in weights:
+            assert torch.equal(gate.applied[8][name], tensor), name
+
+
+def test_streaming_relay_passes_an_upstream_abort_to_its_engines(host: Any) -> None:
+    with RawUpstream(host, _weights(5), version=9) as up:
+        up.send(0)
+        up.wait_engines_staged(1)
+        up.client.send(wire.Abort(version=9, reason="trainer stopped"))
+        up.wait(lambda: not any(s["version"] == 9 for r in host["receivers"] for s in r.summary()))
+        weights = _weights(6)
+        assert _publish(up.relay.endpoint(), weights, 10).ok  # the relay is free for the next update
+    for gate in host["gates"]:
+        assert 9 not in gate.applied and torch.equal(gate.applied[10][weights[0][0]], weights[0][1])
+
+
+class RawUpstream:
+    """A streaming relay in front of the host's receivers, fed bucket by bucket by a raw ZMQ peer."""
+
+    def __init__(self, host: Any, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        from inference_side.relay import Relay
+        from tests.rawclient import RawClient
+        from trainer_side.packing import make_plan, plan_specs
+
+        self.host, self.version = host, version
+        self.plan, self.tensors = make_plan(weights, "bfloat16", 20_000)
+        self.buckets = len(self.plan.bucket_sizes)
+        assert self.buckets >= 3
+        manifest = wire.Manifest(version=version, tensors=plan_specs(self.plan), bucket_sizes=self.plan.bucket_sizes,
+                                 publisher="raw")
+        self.relay = Relay(host["endpoints"], {**SMALL, "sync": {"mode": "streaming"}}, name="relay-streaming")
+        self.client = RawClient(self.relay.endpoint())
+        self.client.send(wire.Begin(manifest))
+        self.client.until(wire.Credit)
+
+    def send(self, index: int) -> None:
+        from trainer_side.packing import pack_bucket
+
+        out = torch.empty(self.plan.bucket_sizes[index], dtype=torch.uint8)
+        sums = pack_bucket(self.plan, self.tensors, index, out)
+        self.client.send(wire.BucketHeader(version=self.version, index=index, checksums=tuple(sums)), out.numpy().tobytes())
+
+    def wait(self, cond: Any, timeout: float = 10) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, [r.summary() for r in self.host["receivers"]]
+            time.sleep(0.02)
+
+    def wait_engines_staged(self, count: int) -> None:
+        """Every engine's receiver holds ``count`` buckets of this update."""
+        self.wait(lambda: all(any(s["version"] == self.version and s["staged"] >= count for s in r.summary())
+                              for r in self.host["receivers"]))
+
+    def __enter__(self) -> RawUpstream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.relay.shutdown()
+
+
 def test_relay_refuses_engines_it_cannot_reach_through_shared_memory() -> None:
     from bridge.errors import ConfigError
     from inference_side.receiver import SyncReceiver
@@ -140,58 +216,35 @@ def test_relay_refuses_engines_it_cannot_reach_through_shared_memory() -> None:
 
 @pytest.mark.engine
 def test_relay_updates_real_engines_like_cold_loads(ray_session: Any, checkpoints: Any) -> None:
-    """A trainer process publishes over tcp:// to a relay actor; both engines behind it (reached over
-    their ipc:// endpoints, through shared memory) then answer like engines cold-loaded from the weights."""
+    """A trainer process publishes over tcp:// to a relay actor (store-and-forward, then streaming); both
+    engines behind it (reached over their ipc:// endpoints, through shared memory) then answer like
+    engines cold-loaded from the same weights."""
     from inference_side import InferenceActor, RelayActor
     from tests.conftest import assert_same_outputs, generate, oracle, run_trainer
 
     v1 = checkpoints("tiny", 1)
-    seeds = [21, 22]
-    cold = oracle([checkpoints("tiny", s) for s in seeds], 1, "bfloat16")
+    seeds = {"staged": 21, "streaming": 22}
+    cold = dict(zip(seeds, oracle([checkpoints("tiny", s) for s in seeds.values()], 1, "bfloat16"), strict=True))
     engines = [InferenceActor.remote(model=str(v1), tensor_parallel_size=1, dtype="bfloat16", config=SMALL)
                for _ in range(2)]
-    relay = None
     try:
         ipc = ray_session.get([e.endpoint.remote("ipc") for e in engines], timeout=600)
-        relay = RelayActor.remote(ipc, SMALL)
-        endpoint = ray_session.get(relay.endpoint.remote(), timeout=120)
-        lines = run_trainer(endpoint, "tiny", seeds=seeds, first_version=2)
-        assert [line["ok"] for line in lines] == [True, True], lines
-        for line in lines:
-            assert len(line["engines"]) == 1 and line["engines"][0]["verified"], line
-        for engine in engines:
-            assert ray_session.get(engine.version.remote()) == 3
-            record = ray_session.get(engine.records.remote())[-1]
-            assert record["ok"] and record["transport"] == "shm", record
-            assert_same_outputs(generate(engine), cold[1])
+        for version, (mode, seed) in enumerate(seeds.items(), start=2):
+            relay = RelayActor.remote(ipc, {**SMALL, "sync": {"mode": mode}})
+            try:
+                endpoint = ray_session.get(relay.endpoint.remote(), timeout=120)
+                lines = run_trainer(endpoint, "tiny", seeds=[seed], first_version=version)
+            finally:
+                ray_session.get(relay.shutdown.remote())
+                ray_session.kill(relay)
+            assert len(lines) == 1 and lines[0]["ok"], lines
+            assert len(lines[0]["engines"]) == 1 and lines[0]["engines"][0]["verified"], lines
+            for engine in engines:
+                assert ray_session.get(engine.version.remote()) == version
+                record = ray_session.get(engine.records.remote())[-1]
+                assert record["ok"] and record["transport"] == "shm", record
+                assert_same_outputs(generate(engine), cold[mode])
     finally:
-        if relay is not None:
-            ray_session.get(relay.shutdown.remote())
-            ray_session.kill(relay)
         for engine in engines:
             ray_session.get(engine.shutdown.remote())
             ray_session.kill(engine)
-
-
-def test_relay_command_runs_a_relay_process(host: Any) -> None:
-    """`weight-bridge relay` in its own process, in front of the same two receivers."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, child_env
-
-    cmd = [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
-    for endpoint in host["endpoints"]:
-        cmd += ["--engine", endpoint]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("weight-bridge relay tcp://"), (line, proc.stderr.read() if proc.poll() is not None else "")
-        weights = _weights(9)
-        assert _publish(line.split()[2], weights, 7).ok
-        for gate in host["gates"]:
-            assert torch.equal(gate.applied[7][weights[0][0]], weights[0][1])
-    finally:
-        proc.terminate()
-        proc.wait(30)

@@ -218,24 +218,23 @@ class WeightPublisher:
 
         return self._stream(manifest, plane, pack, t_start)
 
-    def forward(self, manifest: wire.Manifest, buckets: list[tuple[str, tuple[int, ...]]]) -> PublishReport:
-        """Send an update whose buckets already lie packed in shared-memory segments: ``buckets`` holds each
-        bucket's segment name and checksums, in index order (a host-local relay's path: nothing is copied).
-        The manifest goes out as this publisher's, over shm; raise UpdateFailed as ``publish`` does."""
+    def forward(self, manifest: wire.Manifest, staged: Callable[[int], tuple[str, tuple[int, ...]]]) -> PublishReport:
+        """Send an update whose buckets already lie packed in shared-memory segments: ``staged(index)`` gives
+        bucket ``index``'s segment name and checksums, called in index order and free to wait until the
+        bucket exists (raise TransportError to abort). A host-local relay's path: nothing is copied. The
+        manifest goes out as this publisher's, over shm; raise UpdateFailed as ``publish`` does."""
         if self.transport != "shm":
             raise TransportError(f"forward sends buckets that lie in shared memory: the transport must be shm, not {self.transport}")
-        if len(buckets) != len(manifest.bucket_sizes):
-            raise WireError(f"forward: {len(buckets)} staged buckets for a manifest of {len(manifest.bucket_sizes)}")
         t_start = time.perf_counter()
         self._current = manifest.version
         self._agreed_dtype()
         manifest = replace(manifest, publisher=self.name, transport="shm")
 
-        def staged(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
-            segment, sums = buckets[index]
+        def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
+            segment, sums = staged(index)
             return OutgoingBucket(index, None, (), segment=segment), sums
 
-        return self._stream(manifest, self._plane(), staged, t_start)
+        return self._stream(manifest, self._plane(), produce, t_start)
 
     def _agreed_dtype(self) -> str:
         """Connect to every engine (once) and return the one dtype they serve; TransportError when they
