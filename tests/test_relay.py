@@ -212,6 +212,30 @@ def test_relay_refuses_engines_it_cannot_reach_through_shared_memory() -> None:
         rx.stop()
 
 
+def test_relay_command_runs_a_relay_process(host: Any) -> None:
+    """`weight-bridge relay` in its own process, in front of the same two receivers."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, child_env
+
+    cmd = [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
+    for endpoint in host["endpoints"]:
+        cmd += ["--engine", endpoint]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("weight-bridge relay tcp://"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        weights = _weights(9)
+        assert _publish(line.split()[2], weights, 7).ok
+        for gate in host["gates"]:
+            assert torch.equal(gate.applied[7][weights[0][0]], weights[0][1])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 # ---- real engines --------------------------------------------------------------------------------
 
 @pytest.mark.engine
