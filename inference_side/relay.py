@@ -63,14 +63,17 @@ class RelayGate:
         self.endpoints = list(engines)
         self._forwarder = WeightPublisher(engines, config=config, name=name, transport="shm")
         self._lock = threading.Lock()  # one forward at a time (the publisher's sockets are not thread-safe)
-        with self._lock:
+        try:
             infos = self._forwarder.engines()
-        dtypes = {i.dtype for i in infos}
-        if len(dtypes) != 1:
-            raise ConfigError(f"the relay's engines serve different dtypes {sorted(dtypes)}: one relay per dtype")
-        lacking = [ep for ep, i in zip(engines, infos, strict=True) if "shm" not in i.transports]
-        if lacking:
-            raise ConfigError(f"engines {lacking} do not take the shm transport: a relay serves engines on its own host")
+            dtypes = {i.dtype for i in infos}
+            if len(dtypes) != 1:
+                raise ConfigError(f"the relay's engines serve different dtypes {sorted(dtypes)}: one relay per dtype")
+            lacking = [ep for ep, i in zip(engines, infos, strict=True) if "shm" not in i.transports]
+            if lacking:
+                raise ConfigError(f"engines {lacking} do not take the shm transport: a relay serves engines on its own host")
+        except BridgeError:
+            self._forwarder.close()
+            raise
         self.dtype = dtypes.pop()
         self.tp_size = max(i.tp_size for i in infos)
         self.versions = [i.version for i in infos]
