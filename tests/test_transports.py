@@ -1,4 +1,5 @@
-"""Issue 4: every data plane and sync mode leaves the engine equal to a cold-loaded oracle.
+"""Issue 4: every data plane and sync mode, and a host-local relay in front of the engine, leave the
+engine equal to a cold-loaded oracle.
 
 One tiny dense engine (TP 1) serves the whole module; its sync mode is switched between tests. Buckets
 are kept small (``transport.bucket_mb``) so that an update spans many buckets and streaming really
@@ -26,7 +27,8 @@ def engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
     from bench.engine import bench_actor
 
     v1 = checkpoints("tiny", 1)
-    seeds = {"shm": 2, "stream-zmq": 3, "stream-shm": 4, "recover": 5, "gloo": 6, "stream-gloo": 7, "gloo-2": 8, "ipc": 9}
+    seeds = {"shm": 2, "stream-zmq": 3, "stream-shm": 4, "recover": 5, "gloo": 6, "stream-gloo": 7, "gloo-2": 8, "ipc": 9,
+             "relay": 10, "relay-stream": 11}
     ckpts = {k: checkpoints("tiny", s) for k, s in seeds.items()}
     cold = dict(zip(ckpts, oracle(list(ckpts.values()), 1, "bfloat16"), strict=True))
     actor = bench_actor().remote(model=str(v1), tensor_parallel_size=1, dtype="bfloat16", config=SMALL_BUCKETS)
@@ -165,3 +167,31 @@ def _wait_degraded(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
         if status["degraded"] or time.monotonic() > end:
             return status
         time.sleep(0.2)
+
+
+def test_relay_in_front_of_the_engine_matches_cold_load(engine: Any) -> None:
+    """A trainer process publishes over tcp:// to a relay actor in front of the engine's ipc:// endpoint,
+    store-and-forward and then streaming; each time the engine answers like one cold-loaded from the same
+    weights (fan-out to several engines and the relay's failure paths: tests/test_relay.py)."""
+    import ray
+
+    from inference_side import RelayActor
+
+    actor = engine["actor"]
+    ray.get(actor.set_config.remote({**SMALL_BUCKETS, "sync": {"mode": "staged"}}))
+    ipc = ray.get(actor.endpoint.remote("ipc"))
+    for key, mode in (("relay", "staged"), ("relay-stream", "streaming")):
+        version = ray.get(actor.version.remote()) + 1
+        relay = RelayActor.remote([ipc], {**SMALL_BUCKETS, "sync": {"mode": mode}})
+        try:
+            endpoint = ray.get(relay.endpoint.remote(), timeout=120)
+            lines = run_trainer(endpoint, "tiny", seeds=[engine["seeds"][key]], first_version=version)
+        finally:
+            ray.get(relay.shutdown.remote())
+            ray.kill(relay)
+        assert len(lines) == 1 and lines[0]["ok"] and len(lines[0]["engines"]) == 1, lines  # the relay answered
+        assert lines[0]["engines"][0]["verified"] and lines[0]["engines"][0]["endpoint"] == endpoint, lines
+        assert ray.get(actor.version.remote()) == version
+        record = ray.get(actor.records.remote())[-1]
+        assert record["ok"] and record["transport"] == "shm" and record["version"] == version, record
+        assert_same_outputs(generate(actor), engine["cold"][key])
