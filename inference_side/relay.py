@@ -182,7 +182,7 @@ class RelayGate:
             self._lock.release()
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock:  # an open stream is ended first: the receiver's stop aborts it on the apply thread
             self._forwarder.close()
 
 
@@ -196,6 +196,7 @@ class Relay:
         self.name = name or f"relay-{socket.gethostname()}"
         self.gate = RelayGate(engines, self.config, self.name)
         self.receiver = SyncReceiver(self.gate, self.config)
+        self._closed = False
         self._endpoint = self.receiver.start()
         logger.info("relay %s at %s forwards to %s", self.name, self._endpoint, engines)
 
@@ -208,5 +209,8 @@ class Relay:
                 "versions": list(self.gate.versions), "sessions": self.receiver.summary()}
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.receiver.stop()
         self.gate.close()

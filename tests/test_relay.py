@@ -148,6 +148,22 @@ def test_streaming_relay_passes_an_upstream_abort_to_its_engines(host: Any) -> N
         assert 9 not in gate.applied and torch.equal(gate.applied[10][weights[0][0]], weights[0][1])
 
 
+def test_relay_shuts_down_promptly_with_a_streaming_update_open(host: Any) -> None:
+    """Stopping a relay mid-update (Ctrl-C, actor shutdown) must not hang on the open forward, and its
+    engines are told to drop the update."""
+    import time
+
+    with RawUpstream(host, _weights(7), version=11) as up:
+        up.send(0)
+        up.wait_engines_staged(1)
+        t0 = time.monotonic()
+        up.relay.shutdown()
+        assert time.monotonic() - t0 < 10
+        up.wait(lambda: not any(s["version"] == 11 for r in host["receivers"] for s in r.summary()))
+    for gate in host["gates"]:
+        assert 11 not in gate.applied
+
+
 class RawUpstream:
     """A streaming relay in front of the host's receivers, fed bucket by bucket by a raw ZMQ peer."""
 
