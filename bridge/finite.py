@@ -36,11 +36,11 @@ def all_finite(buffer: Any, dtype: str, offset: int = 0, nbytes: int | None = No
     total = (memoryview(buffer).nbytes - offset if nbytes is None else nbytes) // width
     signed = np.frombuffer(buffer, dtype=f"<i{width}", count=total, offset=offset)
     unsigned = signed.view(f"<u{width}")
-    raw = memoryview(buffer).cast("B")[offset : offset + total * width] if visit is not None else None
+    raw = memoryview(buffer).cast("B")[offset : offset + total * width]
     step = CHUNK_BYTES // width
     finite = True
     for start in range(0, total, step):
-        if raw is not None and visit is not None:
+        if visit is not None:
             visit(raw[start * width : (start + step) * width])
         elif not finite:
             break

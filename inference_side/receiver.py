@@ -98,8 +98,7 @@ def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tup
     mismatch is reported before a non-finite value (corruption on the way explains both)."""
     from bridge.checksums import function, running
 
-    crc = None if checksum == "none" else function(checksum)
-    fresh = None if checksum == "none" else running(checksum)
+    crc, fresh = (None, None) if checksum == "none" else (function(checksum), running(checksum))
     if len(checksums) != len(specs):
         raise WireError(f"bucket {specs[0].bucket if specs else '?'}: {len(checksums)} checksums for {len(specs)} tensors")
     for spec, expected in zip(sorted(specs, key=lambda s: s.offset), _by_offset(specs, checksums), strict=True):
