@@ -157,7 +157,7 @@ class SyncReceiver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=False)  # the loop cancelled its loads; an engine's abort still runs
 
     def summary(self) -> list[dict[str, Any]]:
         """Open update sessions: version, buckets staged so far, bytes in, whether applying."""
@@ -266,7 +266,11 @@ class SyncReceiver:
                 self._tick(sock)
         finally:
             for session in self._sessions.values():
-                session.close()
+                for _, load in session.loads:
+                    load.cancel()
+                if session.pending is not None:
+                    session.pending.cancel()
+                session.close("the receiver is stopping")  # a streaming load open in the engine is aborted
             self._inbox.close()
             self._pool.close()
             self._attached.close()

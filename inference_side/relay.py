@@ -63,6 +63,7 @@ class RelayGate:
         self.endpoints = list(engines)
         self._forwarder = WeightPublisher(engines, config=config, name=name, transport="shm")
         self._lock = threading.Lock()  # one forward at a time (the publisher's sockets are not thread-safe)
+        self._state = threading.Lock()  # guards ending self._stream
         try:
             infos = self._forwarder.engines()
             dtypes = {i.dtype for i in infos}
@@ -163,26 +164,34 @@ class RelayGate:
             outcome = stream.outcome or TransportError("relay: the forward ended without an outcome")
             return self._result(manifest, outcome, timings, stream.started)
         finally:
-            self._end_stream()
+            self._end_stream(stream)
 
     def stream_abort(self, manifest: wire.Manifest, reason: str) -> None:
         stream = self._stream
         if stream is None or stream.version != manifest.version:
             return
+        self._abort(stream, reason)
+
+    def _abort(self, stream: _Forward, reason: str) -> None:
         try:
             stream.buckets.put(reason)  # the forwarder aborts the engines' update, naming the reason
             if stream.thread is not None:
                 stream.thread.join()
         finally:
-            self._end_stream()
+            self._end_stream(stream)
 
-    def _end_stream(self) -> None:
-        if self._stream is not None:
+    def _end_stream(self, stream: _Forward | None = None) -> None:
+        with self._state:  # the apply thread and close() may both end the same stream
+            if self._stream is None or (stream is not None and self._stream is not stream):
+                return
             self._stream = None
-            self._lock.release()
+        self._lock.release()
 
     def close(self) -> None:
-        with self._lock:  # an open stream is ended first: the receiver's stop aborts it on the apply thread
+        stream = self._stream
+        if stream is not None:  # a forward the receiver left open (its abort may never have run)
+            self._abort(stream, "the relay is shutting down")
+        with self._lock:
             self._forwarder.close()
 
 

@@ -164,6 +164,51 @@ def test_relay_shuts_down_promptly_with_a_streaming_update_open(host: Any) -> No
         assert 11 not in gate.applied
 
 
+def test_a_receiver_stopped_mid_load_still_aborts_the_open_streaming_update(host: Any, monkeypatch: Any) -> None:
+    """Stopping a receiver cancels its queued loads but never the abort queued behind a load already running:
+    a lost abort leaves the gate's streaming update open (an engine mid-reload, a relay's lock held)."""
+    import threading
+
+    with RawUpstream(host, _weights(12), version=13) as up:
+        up.send(0)
+        up.wait_engines_staged(1)
+        gate = up.relay.gate
+        assert gate.stream_held()
+        entered, release = threading.Event(), threading.Event()
+        load = gate.stream_load
+
+        def slow_load(manifest: wire.Manifest, bucket: Any) -> str:
+            entered.set()
+            release.wait(10)
+            return load(manifest, bucket)
+
+        monkeypatch.setattr(gate, "stream_load", slow_load)
+        up.send(1)
+        assert entered.wait(10)
+        threading.Timer(0.5, release.set).start()
+        up.relay.receiver.stop()  # the apply thread is busy loading bucket 1: the abort queues behind it
+        up.wait(lambda: not gate.stream_held())  # the abort ran and ended the gate's update
+        up.wait(lambda: not any(s["version"] == 13 for r in host["receivers"] for s in r.summary()))
+    for g in host["gates"]:
+        assert 13 not in g.applied
+
+
+def test_closing_the_relay_gate_ends_a_forward_left_open(host: Any) -> None:
+    """close() ends a streaming forward whose abort never came, instead of waiting on it for ever."""
+    import threading
+
+    with RawUpstream(host, _weights(14), version=15) as up:
+        up.send(0)
+        up.wait_engines_staged(1)
+        closing = threading.Thread(target=up.relay.gate.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "RelayGate.close() waited on the open forward"
+        up.wait(lambda: not any(s["version"] == 15 for r in host["receivers"] for s in r.summary()))
+    for g in host["gates"]:
+        assert 15 not in g.applied
+
+
 class RawUpstream:
     """A streaming relay in front of the host's receivers, fed bucket by bucket by a raw ZMQ peer."""
 

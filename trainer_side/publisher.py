@@ -102,7 +102,10 @@ class WeightPublisher:
         return _Peer(endpoint, sock, monitor=monitor)
 
     def close(self) -> None:
+        """Close the sockets and send planes; closing twice is harmless."""
         for peer in self._peers:
+            if peer.socket.closed:
+                continue
             peer.socket.disable_monitor()
             peer.monitor.close(0)
             peer.socket.close(0)
