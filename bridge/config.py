@@ -100,6 +100,10 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8321
     history: int = 2000
+    # bind the actor's threads (receiver, verify) and the engine core to the cores vLLM's CPU backend left free
+    # of TP workers, when it left any (inference_side/affinity.py). Off by default: on 2 cores it steadies the
+    # worker but leaves the idle worker core unused while a staged update is verified (README, Benchmarks)
+    pin_off_workers: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ heartbeats keep flowing while the engine loads.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -158,6 +159,11 @@ class SyncReceiver:
         if self._thread is not None:
             self._thread.join(10)
         self._executor.shutdown(wait=False)  # the loop cancelled its loads; an engine's abort still runs
+
+    def cores(self) -> list[int]:
+        """The cores the receiver's thread may run on."""
+        thread = self._thread.native_id if self._thread is not None else None
+        return sorted(os.sched_getaffinity(thread or 0))
 
     def summary(self) -> list[dict[str, Any]]:
         """Open update sessions: version, buckets staged so far, bytes in, whether applying."""

@@ -53,6 +53,11 @@ class InferenceServer(StreamingGate):
         self.table = read_tensor_table(self.model_path)
         self.llm = start_llm(self.model_path, tensor_parallel_size, dtype, llm_kwargs)
         self.setup = self.llm.collective_rpc("wb_setup")
+        self.spare_cores: set[int] = set()
+        if self.config.serve.pin_off_workers:
+            from inference_side.affinity import pin_off_workers
+
+            self.spare_cores = pin_off_workers([r["pid"] for r in self.setup], [set(r["cpus"]) for r in self.setup])
         self._lock = threading.RLock()
         self._version = 0
         self._degraded: str | None = None
@@ -88,6 +93,8 @@ class InferenceServer(StreamingGate):
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],
             "sessions": self.receiver.summary(),
             "host_copy": self._host_copy is not None,
+            "cores": {"workers": [r["cpus"] for r in self.setup], "worker_pids": [r["pid"] for r in self.setup],
+                      "receiver": self.receiver.cores()},
         }
 
     def records(self) -> list[dict[str, Any]]:

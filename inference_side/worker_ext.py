@@ -7,6 +7,7 @@ every method catches its own failure and returns it, so all ranks answer and the
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any
@@ -83,7 +84,8 @@ class WeightSyncWorker:
                 impl = next((impl for apath, impl in attn_impls.items() if apath.startswith(module_path + ".")), None)
                 state.sinks[path] = SinkBinding(path, ckpt_name, entry.shape[0], impl)
         self._wb_state = state
-        return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks), "unrouted_sinks": sorted(unrouted)}
+        return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks), "unrouted_sinks": sorted(unrouted),
+                "pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0))}
 
     def _wb_probe_sink(self, model: Any, ckpt_name: str, path: str, entry: Any) -> list[int | None] | None:
         """Which global head the model's own load code writes into each slot of this sink (None if unknown)."""

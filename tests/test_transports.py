@@ -31,7 +31,8 @@ def engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
              "relay": 10, "relay-stream": 11}
     ckpts = {k: checkpoints("tiny", s) for k, s in seeds.items()}
     cold = dict(zip(ckpts, oracle(list(ckpts.values()), 1, "bfloat16"), strict=True))
-    actor = bench_actor().remote(model=str(v1), tensor_parallel_size=1, dtype="bfloat16", config=SMALL_BUCKETS)
+    pinned = {**SMALL_BUCKETS, "serve": {"pin_off_workers": True}}  # also test_bridge_threads_..._off_the_tp_workers_cores
+    actor = bench_actor().remote(model=str(v1), tensor_parallel_size=1, dtype="bfloat16", config=pinned)
     ray_session.get(actor.endpoint.remote(), timeout=600)
     config = tmp_path_factory.mktemp("cfg") / "small_buckets.yaml"
     config.write_text("transport:\n  bucket_mb: 0.05\n  depth: 2\n")
@@ -195,3 +196,26 @@ def test_relay_in_front_of_the_engine_matches_cold_load(engine: Any) -> None:
         record = ray.get(actor.records.remote())[-1]
         assert record["ok"] and record["transport"] == "shm" and record["version"] == version, record
         assert_same_outputs(generate(actor), engine["cold"][key])
+
+
+def test_bridge_threads_and_engine_core_stay_off_the_tp_workers_cores(engine: Any) -> None:
+    """vLLM's CPU backend binds its TP worker to some cores (with ``auto``, it leaves others free); the
+    receiver thread, the rest of the actor and the engine core run on the free ones (serve.pin_off_workers)."""
+    import os
+
+    import ray
+
+    actor = engine["actor"]
+    cores = ray.get(actor.status.remote())["cores"]
+    workers = set().union(*(set(c) for c in cores["workers"]))
+    if workers >= set(os.sched_getaffinity(0)):
+        pytest.skip("the TP workers are bound to every core of this machine: no core is left for the bridge")
+    assert cores["receiver"] and not workers & set(cores["receiver"]), cores
+    others = [p for p in ray.get(actor.pids.remote()) if p not in cores["worker_pids"]]
+    assert len(others) >= 2, others  # the actor process and the engine core process at least
+    for pid in others:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                assert not workers & os.sched_getaffinity(int(tid)), (pid, tid, cores)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass

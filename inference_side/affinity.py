@@ -1,0 +1,60 @@
+"""Keep the bridge's own work off the cores vLLM's CPU backend binds its TP workers to.
+
+On CPU, vLLM pins each TP worker to a slice of cores (``VLLM_CPU_OMP_THREADS_BIND``; with ``auto`` it leaves
+some cores to the rest) and leaves every other process of the engine unpinned. The receiver's verify pass,
+the engine core's scheduler loop and the actor's threads then land on a worker's core as often as not, and
+slow the worker: the weight load in the middle of an update, or token generation while an update is staged.
+``pin_off_workers`` moves this process's threads and the engine's non-worker processes onto the cores no
+worker is bound to, when there are such cores (``serve.pin_off_workers``, off by default).
+
+The trade-off, measured on the 2-core machine (README, Benchmarks): pinned, vLLM's own reload time is
+steadier (the worker's core is its own), but a staged update's verify pass can no longer borrow the
+worker's core while it sits idle, and small updates sync slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def spare_cores(available: set[int], workers: list[set[int]]) -> set[int]:
+    """The cores of ``available`` that no worker is bound to; empty when a worker is unbound (it may run
+    anywhere) or the workers hold every core."""
+    if not workers or any(not w or w >= available for w in workers):
+        return set()
+    return available - set().union(*workers)
+
+
+def _pin(pid: int, cores: set[int]) -> int:
+    """Bind every thread of process ``pid`` to ``cores``; the number of threads bound."""
+    bound = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+            bound += 1
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return bound
+
+
+def pin_off_workers(worker_pids: list[int], worker_cores: list[set[int]]) -> set[int]:
+    """Bind this process and every descendant that is not a TP worker to the cores the workers do not
+    use. Returns those cores (empty: nothing was changed)."""
+    import psutil
+
+    spare = spare_cores(set(os.sched_getaffinity(0)), worker_cores)
+    if not spare:
+        return set()
+    me = psutil.Process()
+    others = [p.pid for p in me.children(recursive=True) if p.pid not in set(worker_pids)]
+    threads = sum(_pin(pid, spare) for pid in [me.pid, *others])
+    logger.info("bridge threads (%d, in %d processes) bound to cores %s, off the TP workers' %s",
+                threads, 1 + len(others), sorted(spare), [sorted(w) for w in worker_cores])
+    return spare
