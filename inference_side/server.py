@@ -53,11 +53,10 @@ class InferenceServer(StreamingGate):
         self.table = read_tensor_table(self.model_path)
         self.llm = start_llm(self.model_path, tensor_parallel_size, dtype, llm_kwargs)
         self.setup = self.llm.collective_rpc("wb_setup")
-        self.spare_cores: set[int] = set()
-        if self.config.serve.pin_off_workers:
+        if self.config.serve.pin_off_workers:  # status()["cores"] shows where the threads ended up
             from inference_side.affinity import pin_off_workers
 
-            self.spare_cores = pin_off_workers([r["pid"] for r in self.setup], [set(r["cpus"]) for r in self.setup])
+            pin_off_workers([r["pid"] for r in self.setup], [set(r["cpus"]) for r in self.setup])
         self._lock = threading.RLock()
         self._version = 0
         self._degraded: str | None = None
