@@ -82,8 +82,9 @@ class KeptSegment(Segment):
     """A publisher's segment mapped by an ``AttachCache``: the sessions that use it let go with ``close``,
     which keeps the mapping; only the cache unmaps it."""
 
-    def __init__(self, name: str, size: int) -> None:
-        super().__init__(name, size, create=False)
+    def __init__(self, name: str, size: int, private: bool = False) -> None:
+        super().__init__(name, size, create=False, private=private)
+        self.private = private
 
     def close(self) -> None:
         return None
@@ -103,23 +104,33 @@ class AttachCache:
     A publisher reuses one segment per bucket index, so the next update arrives in pages this process
     has already mapped: reading a freshly mapped segment runs at about half the speed of a kept one here
     (page-table set-up on first touch). Mappings pin a segment's memory after the publisher unlinks it,
-    so ``prune`` unmaps every segment whose file is gone (the receiver calls it about once a second)."""
+    so ``prune`` unmaps every segment whose file is gone (the receiver calls it about once a second).
 
-    def __init__(self) -> None:
+    ``private`` keeps copy-on-write mappings (what a TP worker hands to model code, so a loader that
+    writes into its input never changes the bytes other ranks read). A private page this process wrote
+    no longer follows the file, so a mapping is reused only while ``copied_pages`` finds none; where the
+    kernel does not say (no readable /proc/self/pagemap), every attach maps afresh."""
+
+    def __init__(self, private: bool = False) -> None:
+        self.private = private
         self._kept: dict[str, KeptSegment] = {}
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def attach(self, name: str, size: int) -> Segment:
-        """The kept mapping of ``name`` when it has ``size`` bytes; otherwise a new one (TransportError when
-        the segment cannot be mapped)."""
+        """The kept mapping of ``name`` when it has ``size`` bytes (and, if private, no page copied on
+        write); otherwise a new one (TransportError when the segment cannot be mapped)."""
+        if self.private and not pagemap_readable():
+            return Segment.attach(name, size, private=True)
         kept = self._kept.get(name)
-        if kept is not None and kept.size == size:
+        if kept is not None and kept.size == size and not (self.private and copied_pages(kept.mm) != 0):
             return kept
         if kept is not None:
             self._drop(name)
-        seg = self._kept[name] = KeptSegment(name, size)
+            if name in self._kept:  # the old mapping still has views: this use maps its own, unmapped on close
+                return Segment.attach(name, size, private=self.private)
+        seg = self._kept[name] = KeptSegment(name, size, private=self.private)
         return seg
 
     def prune(self) -> None:
@@ -136,6 +147,47 @@ class AttachCache:
     def close(self) -> None:
         for name in list(self._kept):
             self._drop(name)
+
+
+_PAGEMAP = Path("/proc/self/pagemap")
+_PRESENT, _SWAPPED, _FILE_OR_SHARED = 1 << 63, 1 << 62, 1 << 61
+
+
+def pagemap_readable() -> bool:
+    try:
+        with _PAGEMAP.open("rb") as f:
+            f.read(8)
+    except OSError:
+        return False
+    return True
+
+
+def copied_pages(mm: mmap.mmap) -> int | None:
+    """How many pages of the private file mapping ``mm`` this process has written (each one copied on
+    write, so it no longer shows the file's later contents), read from /proc/self/pagemap: about 1 ms per
+    64 MiB. None when the kernel does not say."""
+    import ctypes
+
+    import numpy as np
+
+    anchor = ctypes.c_char.from_buffer(mm)  # pins mm only while the address is read
+    address = ctypes.addressof(anchor)
+    del anchor
+    pages = (len(mm) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    try:
+        fd = os.open(_PAGEMAP, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, pages * 8, address // mmap.PAGESIZE * 8)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    if len(raw) != pages * 8:
+        return None
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    present_private = (entries & np.uint64(_PRESENT | _FILE_OR_SHARED)) == np.uint64(_PRESENT)
+    swapped = (entries & np.uint64(_SWAPPED)) != 0  # a private page out in swap is a copy too
+    return int(np.count_nonzero(present_private | swapped))
 
 
 class SegmentPool:

@@ -285,6 +285,37 @@ def test_attach_cache_maps_a_segment_once_and_unmaps_it_once_unlinked() -> None:
         cache.close()
 
 
+def test_private_attach_cache_keeps_a_mapping_until_this_process_writes_into_it() -> None:
+    """What a TP worker does with bucket segments: a copy-on-write mapping kept across updates follows the
+    file's new bytes; once model code wrote into it (a page copied on write), it is mapped afresh, so the
+    next update never reads the page this process changed."""
+    from bridge.shm import AttachCache, Segment, copied_pages, pagemap_readable
+
+    if not pagemap_readable():
+        pytest.skip("this kernel gives no /proc/self/pagemap: the cache maps afresh every time")
+    size = 1 << 20
+    owner = Segment.create("test", size)
+    cache = AttachCache(private=True)
+    try:
+        owner.buffer[:] = b"a" * size
+        first = cache.attach(owner.name, size)
+        assert bytes(first.buffer[:1]) == b"a" and copied_pages(first.mm) == 0
+        first.close()
+        owner.buffer[: size // 2] = b"b" * (size // 2)  # the next update, written by the receiver
+        again = cache.attach(owner.name, size)
+        assert again is first and bytes(again.buffer[:1]) == b"b"
+        again.buffer[size - 1 : size] = b"x"  # a loader writing into its input: that page is now a private copy
+        assert copied_pages(again.mm) == 1
+        assert bytes(owner.buffer[size - 1 : size]) == b"a"  # other processes never see it
+        owner.buffer[size - 1 : size] = b"c"  # the next update changes that byte
+        fresh = cache.attach(owner.name, size)
+        assert fresh is not first and bytes(fresh.buffer[size - 1 : size]) == b"c"
+        assert copied_pages(fresh.mm) == 0 and len(cache) == 1
+    finally:
+        owner.close()
+        cache.close()
+
+
 def test_receiver_maps_shm_buckets_once_and_lets_go_when_the_publisher_closes() -> None:
     """Two updates over shm reuse one mapping per bucket; once the publisher closes, the receiver unmaps
     them within about a second, so no segment's memory stays pinned."""

@@ -41,17 +41,21 @@ def engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
     ray_session.kill(actor)
 
 
-def _publish(engine: Any, key: str, transport: str, mode: str, endpoint: str = "tcp") -> dict[str, Any]:
+def _publish(engine: Any, key: str, transport: str, mode: str, endpoint: str = "tcp", before: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Publish checkpoint ``key`` from a trainer process; ``before``: seeds it publishes first, through the
+    same publisher (so the last update arrives in segments the worker has mapped before)."""
     import ray
 
     actor = engine["actor"]
     ray.get(actor.set_config.remote({**SMALL_BUCKETS, "sync": {"mode": mode}}))
-    version = ray.get(actor.version.remote()) + 1
-    lines = run_trainer(ray.get(actor.endpoint.remote(endpoint)), "tiny", seeds=[engine["seeds"][key]], first_version=version,
+    first = ray.get(actor.version.remote()) + 1
+    lines = run_trainer(ray.get(actor.endpoint.remote(endpoint)), "tiny", seeds=[*before, engine["seeds"][key]], first_version=first,
                         transport=transport, config=str(engine["config"]))
-    line = lines[0]
-    assert line["ok"], line
-    assert all(e["verified"] for e in line["engines"]), line
+    assert len(lines) == len(before) + 1, lines
+    for line in lines:
+        assert line["ok"], line
+        assert all(e["verified"] for e in line["engines"]), line
+    version = first + len(before)
     assert ray.get(actor.version.remote()) == version
     records = ray.get(actor.records.remote())
     assert records[-1]["ok"] and records[-1]["version"] == version, records[-1]
@@ -59,9 +63,35 @@ def _publish(engine: Any, key: str, transport: str, mode: str, endpoint: str = "
 
 
 def test_shm_transport_matches_cold_load(engine: Any) -> None:
-    record = _publish(engine, "shm", "shm", "staged")
+    """Two updates through one publisher: the second arrives in the segments of the first, which the TP
+    worker keeps mapped (copy-on-write) from one update to the next."""
+    record = _publish(engine, "shm", "shm", "staged", before=(101,))
     assert record["tensors"] > 0
     assert_same_outputs(generate(engine["actor"]), engine["cold"]["shm"])
+
+
+def test_worker_lets_go_of_a_closed_publishers_segments(engine: Any) -> None:
+    """The worker keeps bucket segments mapped between updates; once the trainer process has gone (its
+    publisher unlinked them), it unmaps them within seconds, so their memory is not pinned until the next
+    update."""
+    import time
+
+    import ray
+
+    _publish(engine, "shm", "shm", "staged", before=(102,))
+    pids = ray.get(engine["actor"].status.remote())["cores"]["worker_pids"]
+
+    def pinned() -> list[str]:
+        out = []
+        for pid in pids:
+            with open(f"/proc/{pid}/maps") as f:
+                out += [line.split()[-2] for line in f if "/dev/shm/wb-" in line and line.rstrip().endswith("(deleted)")]
+        return out
+
+    deadline = time.monotonic() + 15
+    while pinned() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not pinned(), pinned()
 
 
 def test_streaming_zmq_matches_cold_load(engine: Any) -> None:
@@ -71,7 +101,7 @@ def test_streaming_zmq_matches_cold_load(engine: Any) -> None:
 
 
 def test_streaming_shm_matches_cold_load(engine: Any) -> None:
-    record = _publish(engine, "stream-shm", "shm", "streaming")
+    record = _publish(engine, "stream-shm", "shm", "streaming", before=(103,))
     assert "stream_load" in record["seconds"], record
     assert_same_outputs(generate(engine["actor"]), engine["cold"]["stream-shm"])
 
