@@ -104,6 +104,15 @@ class ServeConfig:
     # of TP workers, when it left any (inference_side/affinity.py). Off by default: on 2 cores it steadies the
     # worker but leaves the idle worker core unused while a staged update is verified (README, Benchmarks)
     pin_off_workers: bool = False
+    # seconds a TP worker busy-waits for its next RPC after one (vLLM's shm message queue spins 1 s); null
+    # leaves vLLM's value. Longer than the gap between generation steps, so generation keeps its latency,
+    # short enough that a sync does not share a core with an idle, spinning worker (inference_side/idle_spin.py)
+    worker_idle_spin_s: float | None = 0.05
+
+    def __post_init__(self) -> None:
+        spin = self.worker_idle_spin_s
+        if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0):
+            raise ConfigError(f"serve.worker_idle_spin_s must be null or seconds >= 0, got {spin!r}")
 
 
 @dataclass(frozen=True)

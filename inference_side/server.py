@@ -53,6 +53,8 @@ class InferenceServer(StreamingGate):
         self.table = read_tensor_table(self.model_path)
         self.llm = start_llm(self.model_path, tensor_parallel_size, dtype, llm_kwargs)
         self.setup = self.llm.collective_rpc("wb_setup")
+        if self.config.serve.worker_idle_spin_s is not None:
+            self.llm.collective_rpc("wb_idle_spin", args=(self.config.serve.worker_idle_spin_s,))
         if self.config.serve.pin_off_workers:  # status()["cores"] shows where the threads ended up
             from inference_side.affinity import pin_off_workers
 

@@ -114,6 +114,12 @@ class WeightSyncWorker:
             logger.info("%s: could not probe the model's sink layout (%s); assuming this rank's head range", path, exc)
             return None
 
+    def wb_idle_spin(self, seconds: float) -> dict[str, Any]:
+        """Shorten how long this worker busy-waits for its next RPC (inference_side/idle_spin.py)."""
+        from inference_side.idle_spin import set_reader_spin
+
+        return {"rank": self._wb_state.tp_rank if self._wb_state else -1, "previous": set_reader_spin(seconds)}
+
     # ---- one update -----------------------------------------------------------------------------
     @_exclusive
     def wb_apply(self, buckets: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:

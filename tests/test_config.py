@@ -89,6 +89,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("float-gets-bool", {"probe": {"max_mean_abs_logprob_diff": True}}, "expected float, got True"),
     ("bucket-mb-str", {"transport": {"bucket_mb": "64"}}, "config.transport.bucket_mb: expected float, got '64'"),
     ("host-copy-streaming", {"sync": {"host_copy": True, "mode": "streaming"}}, "sync.host_copy is only supported with sync.mode: staged"),
+    ("idle-spin-negative", {"serve": {"worker_idle_spin_s": -0.1}}, "serve.worker_idle_spin_s must be null or seconds >= 0, got -0.1"),
+    ("idle-spin-str", {"serve": {"worker_idle_spin_s": "1s"}}, "serve.worker_idle_spin_s must be null or seconds >= 0, got '1s'"),
+    ("idle-spin-bool", {"serve": {"worker_idle_spin_s": False}}, "serve.worker_idle_spin_s must be null or seconds >= 0, got False"),
 ]
 
 

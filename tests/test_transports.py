@@ -249,3 +249,21 @@ def test_bridge_threads_and_engine_core_stay_off_the_tp_workers_cores(engine: An
                 assert not workers & os.sched_getaffinity(int(tid)), (pid, tid, cores)
             except ProcessLookupError:  # a thread that ended meanwhile
                 pass
+
+
+def test_an_idle_worker_stops_spinning_soon_after_an_rpc(engine: Any) -> None:
+    """vLLM's worker busy-waits 1 s for its next RPC after each one; with serve.worker_idle_spin_s (0.05 s
+    by default) it sleeps instead, leaving the core to the trainer and the receiver of the next sync."""
+    import time
+
+    import psutil
+    import ray
+
+    actor = engine["actor"]
+    workers = [psutil.Process(p) for p in ray.get(actor.status.remote())["cores"]["worker_pids"]]
+    generate(actor)  # RPCs to every worker; the last one ends now
+    time.sleep(0.2)
+    before = [sum(w.cpu_times()[:2]) for w in workers]
+    time.sleep(0.6)
+    used = [sum(w.cpu_times()[:2]) - b for w, b in zip(workers, before, strict=True)]
+    assert max(used) < 0.25, f"TP workers used {used} CPU seconds in 0.6 s of idling"
