@@ -150,6 +150,40 @@ def test_pack_then_verify_round_trip(target: str, bucket_bytes: int) -> None:
         verify_bucket(view, specs, header.checksums, "reject")  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("algorithm", ["crc32", "xxh3", "crc32c"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str) -> None:
+    """Packing copies and sums large tensors chunk by chunk; the checksum is still the algorithm's value
+    over the tensor's bytes as written, down to a last chunk shorter than the rest."""
+    from bridge.checksums import function
+    from trainer_side import packing
+
+    try:
+        whole = function(algorithm)
+    except WireError:
+        pytest.skip(f"{algorithm} is not installed here")
+    chunk_elems = packing.PACK_CHUNK_BYTES // 2
+    big = torch.randn(3 * chunk_elems + 1234, dtype=torch.float32).reshape(-1, 2)  # 3.x chunks as bfloat16
+    src = big.t().contiguous().t() if layout == "transposed" else big
+    assert src.is_contiguous() == (layout == "contiguous")
+    named = [("model.layers.0.mlp.weight", src), ("model.layers.0.bias", torch.randn(7))]
+    plan, tensors = make_plan(named, "bfloat16", 64 << 20)
+    bufs, sums = _pack_all_with(plan, tensors, algorithm)
+    for spec, got in zip(_manifest(plan).by_bucket()[0], sums[0], strict=True):
+        raw = bufs[0][spec.offset : spec.offset + spec.nbytes]
+        assert got == whole(raw.numpy().tobytes()), spec.name
+        assert torch.equal(raw.view(torch.bfloat16).view(spec.shape), dict(named)[spec.name].to(torch.bfloat16)), spec.name
+
+
+def _pack_all_with(plan: PackPlan, tensors: list[Any], algorithm: str) -> tuple[list[torch.Tensor], list[list[int]]]:
+    bufs, sums = [], []
+    for index, size in enumerate(plan.bucket_sizes):
+        out = torch.zeros(size, dtype=torch.uint8)
+        sums.append(pack_bucket(plan, tensors, index, out, checksum=algorithm))
+        bufs.append(out)
+    return bufs, sums
+
+
 def test_pack_non_contiguous_and_grad_tensors() -> None:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     param = torch.nn.Parameter(torch.ones(4) * 3)  # requires grad

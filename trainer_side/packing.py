@@ -73,10 +73,9 @@ def pack_bucket(plan: PackPlan, tensors: list[Any], index: int, out: Any,
     and return the checksum (algorithm ``checksum``) of each tensor's bytes as written, in manifest order."""
     import torch
 
-    from bridge.checksums import function
+    from bridge.checksums import running
 
-    crc = None if checksum == "none" else function(checksum)
-
+    fresh = None if checksum == "none" else running(checksum)
     sums = []
     for i in plan.bucket_members(index):
         name, place = plan.names[i], plan.placements[i]
@@ -84,11 +83,37 @@ def pack_bucket(plan: PackPlan, tensors: list[Any], index: int, out: Any,
         if transform is not None:
             src = transform(name, src)
         dst = out[place.offset : place.offset + place.nbytes]
-        if place.nbytes:
-            target = getattr(torch, plan.dtypes[i])
+        if not place.nbytes:
+            sums.append(0)
+            continue
+        target = getattr(torch, plan.dtypes[i])
+        if fresh is None:
             dst.view(target).view(src.shape).copy_(src)
-        sums.append(crc(memoryview(dst.numpy())) if place.nbytes and crc is not None else 0)
+            sums.append(0)
+        else:
+            sums.append(_copy_and_sum(dst, target, src, fresh()))
     return sums
+
+
+PACK_CHUNK_BYTES = 1 << 20  # copied and summed while in cache: one pass over memory instead of two
+
+
+def _copy_and_sum(dst: Any, target: Any, src: Any, hasher: Any) -> int:
+    """Copy ``src`` into ``dst`` (uint8 bytes, read as ``target``) chunk by chunk, feeding each chunk's
+    bytes to ``hasher`` right after it is written; the checksum of the whole tensor as written."""
+    typed = dst.view(target)
+    raw = memoryview(dst.numpy())
+    if not src.is_contiguous() or src.dim() == 0:
+        typed.view(src.shape).copy_(src)
+        hasher.update(raw)
+        return int(hasher.intdigest())
+    flat = src.view(-1)
+    width = dst.numel() // max(typed.numel(), 1)
+    step = max(PACK_CHUNK_BYTES // width, 1)
+    for start in range(0, flat.numel(), step):
+        typed[start : start + step].copy_(flat[start : start + step])
+        hasher.update(raw[start * width : (start + step) * width])
+    return int(hasher.intdigest())
 
 
 def plan_specs(plan: PackPlan) -> tuple[TensorSpec, ...]:
