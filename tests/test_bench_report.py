@@ -64,3 +64,20 @@ def test_verdict_compares_direct_tcp_fan_out_with_a_relay() -> None:
     assert ("50m: 2 engines over tcp://: one stream each 0.900s, one stream to a host-local relay 0.600s "
             "(direct/relay 1.50)") in lines, lines
     assert "50m: receivers 1: 1.00x, 2: 2.50x (goal: 4 receivers <= 1.5x)" in lines, lines  # fan-out rows kept apart
+
+
+def test_verdict_gives_the_median_of_each_syncs_own_ratio_when_b_was_paired() -> None:
+    row = _row("350m", "shm", "staged", 7e8, 0.7)
+    row["paired_ratios"] = [1.3, 1.1, 1.2, 1.0, 2.0]  # each sync over the baseline B run right after it
+    lines = verdict([row])
+    assert any(line.startswith("350m: fastest shm/staged: bridge/B=1.10 (goal <= 1.25) [each sync over the B run after it: "
+                               "median 1.20], A/bridge=3.00") for line in lines), lines
+
+
+def test_verdict_sets_fan_out_against_every_engine_reloading_at_once() -> None:
+    rows = [add_ratios({**_row("50m", "shm", "staged", 1e8, 0.1, alone=0.02), "baseline_b_concurrent": 0.08})]
+    for count, bridge, floor in ((2, 0.25, 0.2), (4, 0.6, 0.4)):
+        rows.append(add_ratios({**rows[0], "receivers": count, "bridge": bridge, "baseline_b_concurrent": floor}))
+    lines = verdict(rows)
+    assert ("50m: baseline B on every engine at once (the floor for their reloads on this machine) 1: 1.00x, 2: 2.50x, "
+            "4: 5.00x; bridge over that floor 1: 1.25, 2: 1.25, 4: 1.50") in lines, lines
