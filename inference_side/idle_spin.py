@@ -26,7 +26,8 @@ def set_reader_spin(seconds: float) -> list[float]:
         return []
     previous = []
     for obj in gc.get_objects():
-        if isinstance(obj, SpinCondition) and getattr(obj, "is_reader", False):
+        # type(), not isinstance(): isinstance on a dead weakref.proxy raises ReferenceError
+        if issubclass(type(obj), SpinCondition) and getattr(obj, "is_reader", False):
             previous.append(float(obj.busy_loop_s))
             obj.busy_loop_s = seconds
     logger.info("message-queue readers now spin %.3fs after each message (were %s)", seconds, previous)
