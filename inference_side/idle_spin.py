@@ -23,6 +23,7 @@ def set_reader_spin(seconds: float) -> list[float]:
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:
+        logger.warning("this vLLM has no shm_broadcast.SpinCondition: worker_idle_spin_s not applied")
         return []
     previous = []
     for obj in gc.get_objects():
@@ -30,5 +31,8 @@ def set_reader_spin(seconds: float) -> list[float]:
         if issubclass(type(obj), SpinCondition) and getattr(obj, "is_reader", False):
             previous.append(float(obj.busy_loop_s))
             obj.busy_loop_s = seconds
-    logger.info("message-queue readers now spin %.3fs after each message (were %s)", seconds, previous)
+    if previous:
+        logger.info("message-queue readers now spin %.3fs after each message (were %s)", seconds, previous)
+    else:
+        logger.warning("no message-queue reader found in this process: worker_idle_spin_s not applied")
     return previous
