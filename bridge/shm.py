@@ -84,7 +84,6 @@ class KeptSegment(Segment):
 
     def __init__(self, name: str, size: int, private: bool = False) -> None:
         super().__init__(name, size, create=False, private=private)
-        self.private = private
 
     def close(self) -> None:
         return None
@@ -113,6 +112,7 @@ class AttachCache:
 
     def __init__(self, private: bool = False) -> None:
         self.private = private
+        self._keep = not private or pagemap_readable()
         self._kept: dict[str, KeptSegment] = {}
 
     def __len__(self) -> int:
@@ -121,7 +121,7 @@ class AttachCache:
     def attach(self, name: str, size: int) -> Segment:
         """The kept mapping of ``name`` when it has ``size`` bytes (and, if private, no page copied on
         write); otherwise a new one (TransportError when the segment cannot be mapped)."""
-        if self.private and not pagemap_readable():
+        if not self._keep:
             return Segment.attach(name, size, private=True)
         kept = self._kept.get(name)
         if kept is not None and kept.size == size and not (self.private and copied_pages(kept.mm) != 0):

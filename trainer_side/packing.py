@@ -108,7 +108,7 @@ def _copy_and_sum(dst: Any, target: Any, src: Any, hasher: Any) -> int:
         hasher.update(raw)
         return int(hasher.intdigest())
     flat = src.view(-1)
-    width = dst.numel() // max(typed.numel(), 1)
+    width = typed.element_size()
     step = max(PACK_CHUNK_BYTES // width, 1)
     for start in range(0, flat.numel(), step):
         typed[start : start + step].copy_(flat[start : start + step])
