@@ -67,6 +67,9 @@ class SyncConfig:
     # what a publisher sends: auto (xxh3, else crc32c, when installed, else crc32), one of them, or none (engines
     # that verify checksums refuse such updates)
     checksum: ChecksumChoice = "auto"
+    # same-host shared memory: the receivers of one host verify a bucket's segment once between them (the
+    # first one; the others find its verdict, bridge/host_verdicts.py); false: every receiver verifies
+    verify_once_per_host: bool = True
     # keep the receive segments of the last successful update (ZMQ, gloo/NCCL) for the next one: writing
     # into pages already faulted in is several times faster; costs up to one update of /dev/shm between syncs
     keep_receive_buffers: bool = True

@@ -13,6 +13,7 @@ from bridge.errors import TransportError
 logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 PREFIX = "wb-"
+VERDICT_SUFFIX = ".ok"  # a host's verdict on a segment's bytes (bridge/host_verdicts.py), unlinked with it
 
 
 def new_name(tag: str) -> str:
@@ -23,6 +24,10 @@ def _path(name: str) -> Path:
     if "/" in name or not name.startswith(PREFIX) or len(name) > 200:
         raise TransportError(f"invalid shared-memory segment name {name!r}")
     return SHM_DIR / name
+
+
+def verdict_path(name: str) -> Path:
+    return _path(name + VERDICT_SUFFIX)
 
 
 class Segment:
@@ -72,10 +77,11 @@ class Segment:
             self.unlink()
 
     def unlink(self) -> None:
-        try:
-            _path(self.name).unlink()
-        except FileNotFoundError:
-            pass
+        for path in (_path(self.name), verdict_path(self.name)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
 
 class KeptSegment(Segment):

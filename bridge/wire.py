@@ -246,12 +246,16 @@ class BucketHeader:
 
     ``checksums`` holds the checksum (the manifest's algorithm, zlib.crc32 unless it names another) of each tensor of the bucket, in manifest order: the manifest's
     checksums travel with their bucket so that packing bucket k+1 overlaps sending bucket k.
+    ``token`` (shm only) is the publisher's random token of this send: receivers on one host that find a
+    verdict on ``segment`` under the same token, bucket and checksums skip verifying it again
+    (bridge/host_verdicts.py); empty, every receiver verifies.
     """
 
     version: int
     index: int
     checksums: tuple[int, ...] = ()
     segment: str = ""
+    token: str = ""
     type: str = field(default="bucket", init=False)
 
 
@@ -369,6 +373,7 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
                 index=_int(raw.get("index"), "bucket index", 0, 1 << 31),
                 checksums=tuple(_int(c, "checksum", 0, 0xFFFFFFFFFFFFFFFF) for c in sums),  # type: ignore[union-attr]
                 segment=_str(raw.get("segment", ""), "segment", 255),
+                token=_str(raw.get("token", ""), "token", 64),
             )
         if kind == "link":
             backend = _str(raw.get("backend"), "link.backend", 16)

@@ -22,6 +22,7 @@ from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
+from bridge.host_verdicts import verdict_key, verify_once
 from bridge.shm import AttachCache, Segment, SegmentPool
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
@@ -73,6 +74,7 @@ class _Session:
     spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
     ended: wire.End | None = None  # End arrived while collective receives were still in flight
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still arriving
+    verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
 
     def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
         """End the session; with ``pool``, receive segments no worker can still map go back to it."""
@@ -410,10 +412,12 @@ class SyncReceiver:
         except BridgeError as exc:
             self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
             return
-        self._staged(sock, session, header.index, segment, header.checksums, t0)
+        self._staged(sock, session, header.index, segment, header.checksums, t0, header.token if header.segment else "")
 
-    def _staged(self, sock: Any, session: _Session, index: int, segment: Segment, checksums: tuple[int, ...], t0: float) -> None:
-        """Bucket ``index`` lies complete in ``segment``: verify it, then load it (streaming) or credit it back."""
+    def _staged(self, sock: Any, session: _Session, index: int, segment: Segment, checksums: tuple[int, ...], t0: float,
+                token: str = "") -> None:
+        """Bucket ``index`` lies complete in ``segment``: verify it (once per host for a publisher's shm
+        segment sent under ``token``), then load it (streaming) or credit it back."""
         m = session.manifest
         specs = m.by_bucket()[index]
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
@@ -421,7 +425,19 @@ class SyncReceiver:
         try:
             scfg = self.config.sync
             if scfg.verify_checksums or scfg.nonfinite == "reject":
-                verify_bucket(segment.buffer, specs, checksums, scfg.nonfinite, m.checksum if scfg.verify_checksums else "none")
+                algorithm = m.checksum if scfg.verify_checksums else "none"
+
+                def check() -> None:
+                    verify_bucket(segment.buffer, specs, checksums, scfg.nonfinite, algorithm)
+
+                if token and scfg.verify_once_per_host:
+                    layout = tuple((s.name, s.dtype, s.offset, s.nbytes) for s in specs)
+                    key = verdict_key(token, segment.name, m.publisher, m.version, index, layout, algorithm, checksums,
+                                      scfg.nonfinite)
+                    if not verify_once(segment.name, key, check, self.config.deadlines.bucket_s):
+                        session.verified_by_peer += 1
+                else:
+                    check()
         except BridgeError as exc:
             self._fail(sock, session.identity, m.version, f"{type(exc).__name__}: {exc}")
             return
@@ -494,6 +510,7 @@ class SyncReceiver:
                     session.close(pool=self._pool if result.ok else None)  # a failed update frees its staging
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
+                    report.setdefault("buckets_verified_by_peer", session.verified_by_peer)
                     if not session.overdue:
                         self._send(sock, identity, wire.Ack(version=version, ok=result.ok, reason=result.reason, report=report))
                 elif session.overdue:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -272,13 +273,15 @@ class WeightPublisher:
             peer.last_heard = time.monotonic()
         seconds = {"pack": 0.0}
         deadlines = self.config.deadlines
+        token = secrets.token_hex(8)  # names this send's segment bytes in the receivers' host verdicts
         try:
             self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.manifest_s, "manifest", self._peers)
             for index, size in enumerate(manifest.bucket_sizes):
                 t0 = time.perf_counter()
                 out, sums = produce(index, size)
                 seconds["pack"] += time.perf_counter() - t0
-                header = wire.BucketHeader(version=version, index=index, checksums=sums, segment=out.segment)
+                header = wire.BucketHeader(version=version, index=index, checksums=sums, segment=out.segment,
+                                           token=token if out.segment else "")
                 active = [p for p in self._peers if p.ack is None]
                 self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.bucket_s, f"bucket {index}", active)
                 for rank, peer in enumerate(self._peers):
