@@ -28,6 +28,7 @@ from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
 logger = logging.getLogger(__name__)
 COLLECTIVE = ("gloo", "nccl")
+REFUSED_KEEP = 1024  # publishers whose refused update's late buckets are dropped quietly (the most recent)
 
 
 @dataclass
@@ -294,7 +295,10 @@ class SyncReceiver:
         session = self._sessions.pop(identity, None)
         if session is not None:
             session.close(reason)
+            self._refused.pop(identity, None)
             self._refused[identity] = session.manifest.version
+            while len(self._refused) > REFUSED_KEEP:  # a long run meets many publishers: keep the latest
+                self._refused.pop(next(iter(self._refused)))
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
         self.on_event("refused", {"version": version, "reason": reason})
 

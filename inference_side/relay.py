@@ -160,7 +160,7 @@ class RelayGate:
         try:
             if stream is None or stream.version != manifest.version or stream.thread is None:
                 return ApplyResult(False, f"no streaming update of version {manifest.version} is open")
-            stream.thread.join()  # ends by the forwarder's own deadlines (acks, heartbeats)
+            stream.thread.join()  # ends by the forwarder's own deadlines (acks, heartbeats) or close()
             outcome = stream.outcome or TransportError("relay: the forward ended without an outcome")
             return self._result(manifest, outcome, timings, stream.started)
         finally:
@@ -188,6 +188,9 @@ class RelayGate:
         self._lock.release()
 
     def close(self) -> None:
+        # a forward in progress (staged or streaming) stops waiting for the engines' answers and tells
+        # them to drop the update, instead of holding the shutdown for up to deadlines.ack_s
+        self._forwarder.abort("the relay is shutting down")
         stream = self._stream
         if stream is not None:  # a forward the receiver left open (its abort may never have run)
             self._abort(stream, "the relay is shutting down")

@@ -236,6 +236,30 @@ def test_refusal_is_the_only_answer_to_buckets_already_in_flight(start_receiver:
     assert gate.applied == []
 
 
+def test_receiver_remembers_refusals_of_the_latest_publishers_only(start_receiver: Any, monkeypatch: Any) -> None:
+    """Each refused publisher is remembered (so its buckets already in flight are dropped quietly), but only
+    the latest REFUSED_KEEP of them: a long run that meets many short-lived publishers holds no more."""
+    import zlib
+
+    monkeypatch.setattr(receiver_mod, "REFUSED_KEEP", 2)
+    rx = start_receiver(cfg(), Gate())
+    spec = wire.TensorSpec("model.a.weight", "bfloat16", (8,), 0, 0, 16)
+    payload = bytes(range(16))
+    clients = [RawClient(rx.endpoint, identity=f"refused-{i}".encode()) for i in range(4)]
+    try:
+        for client in clients:
+            client.send(wire.Begin(wire.Manifest(version=5, tensors=(spec,), bucket_sizes=(16,))))
+            client.until(wire.Credit, timeout=5)
+            client.send(wire.BucketHeader(version=5, index=0, checksums=(zlib.crc32(payload) ^ 1,)), payload)
+            assert not client.until(wire.Ack, timeout=5).ok
+        assert list(rx._refused) == [b"refused-2", b"refused-3"]
+        clients[3].send(wire.End(version=5))  # late, from the latest refused publisher: dropped quietly
+        assert not clients[3].sock.poll(500)
+    finally:
+        for client in clients:
+            client.close()
+
+
 class TwiceRefusingEngine(FakeEngine):
     """Answers Begin with a refusal, then at once with a second one, as a receiver did when buckets already
     on the wire reached it after it had refused the update."""

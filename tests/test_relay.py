@@ -209,6 +209,51 @@ def test_closing_the_relay_gate_ends_a_forward_left_open(host: Any) -> None:
         assert 15 not in g.applied
 
 
+def test_closing_the_relay_does_not_wait_for_engines_still_applying() -> None:
+    """A staged forward waiting for its engines' answers (up to deadlines.ack_s) is aborted by close():
+    the relay shuts down promptly and the publisher upstream hears that the update failed."""
+    import threading
+    import time
+
+    from inference_side.receiver import SyncReceiver
+    from inference_side.relay import Relay
+
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowGate(RecordingGate):
+        def apply(self, manifest: wire.Manifest, buckets: list[Any], timings: dict[str, float]) -> Any:
+            entered.set()
+            release.wait(60)
+            return super().apply(manifest, buckets, timings)
+
+    receiver = SyncReceiver(SlowGate(), config_from_dict(SMALL))
+    relay = Relay([receiver.start()], SMALL, name="relay-slow")
+    outcome: list[Any] = []
+    sender = threading.Thread(target=lambda: outcome.append(_try_publish(relay.endpoint(), _weights(16), 17)), daemon=True)
+    try:
+        sender.start()
+        assert entered.wait(30)  # the engine is applying; the relay's forward waits for its answer
+        closing = threading.Thread(target=relay.shutdown, daemon=True)
+        t0 = time.monotonic()
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "the relay's shutdown waited for its engine to finish applying"
+        assert time.monotonic() - t0 < 10
+        sender.join(30)
+        assert outcome and isinstance(outcome[0], UpdateFailed), outcome
+    finally:
+        release.set()
+        relay.shutdown()
+        receiver.stop()
+
+
+def _try_publish(endpoint: str, weights: list[tuple[str, torch.Tensor]], version: int) -> Any:
+    try:
+        return _publish(endpoint, weights, version)
+    except UpdateFailed as exc:
+        return exc
+
+
 class RawUpstream:
     """A streaming relay in front of the host's receivers, fed bucket by bucket by a raw ZMQ peer."""
 

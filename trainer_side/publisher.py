@@ -80,6 +80,7 @@ class WeightPublisher:
         self._ctx: Any = zmq.Context.instance()
         self._curve_public = curve_server_public if curve_server_public is not None else self.config.transport.curve_server_public
         self._current = 0  # version being published
+        self._aborted = ""  # set by abort(), from any thread: every send fails from then on
         self._planes: dict[str, SendPlane] = {}  # kept across updates: their buffers are reused
         self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
         self._poller = zmq.Poller()
@@ -113,6 +114,12 @@ class WeightPublisher:
         for plane in self._planes.values():
             plane.close()
         self._planes.clear()
+
+    def abort(self, reason: str) -> None:
+        """Make the send in progress (``publish`` or ``forward`` on another thread) fail within one poll
+        (50 ms), its engines told to drop the update, and every later send fail too; the publisher is
+        done. Safe to call from any thread: it only sets a flag that the sending thread reads."""
+        self._aborted = reason or "aborted"
 
     def _checksum(self) -> str:
         choice = self.config.sync.checksum
@@ -155,9 +162,12 @@ class WeightPublisher:
         return peer.socket.send_multipart([wire.encode(msg), *frames], copy=False, track=bool(frames))
 
     def _pump(self, timeout_s: float) -> None:
-        """Receive whatever arrived within ``timeout_s`` and update peer state."""
+        """Receive whatever arrived within ``timeout_s`` and update peer state (TransportError once the
+        publisher was aborted)."""
         import zmq
 
+        if self._aborted:
+            raise TransportError(f"the publisher was aborted: {self._aborted}")
         for sock, _ in self._poller.poll(int(timeout_s * 1000)):
             peer = next(p for p in self._peers if p.socket is sock)
             while True:
