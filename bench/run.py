@@ -189,7 +189,7 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
     warm = trainer.ask(op="publish", endpoints=endpoints, transport=transport, version=versions.next(), config=config)
     if not warm.get("ok"):
         raise RuntimeError(f"bridge {transport}/{mode} failed: {warm}")
-    totals, phases, peaks, b = [], [], [], []
+    totals, phases, peaks, b, held = [], [], [], [], []
     for i in range(plan.reps):
         before = reset_peaks(pids) if pids else {}
         rep = trainer.ask(op="publish", endpoints=endpoints, transport=transport, version=versions.next(), config=config)
@@ -198,6 +198,7 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
         if before:
             peaks.append(peak_growth(before))
         totals.append(rep["seconds"]["total"])
+        held.append(int(rep.get("held_bytes", 0)))
         if paired:
             b.append(float(ray.get(engines.actors[0].baseline_b.remote(200 + i))))
         phases.append({**rep["seconds"], **{k: max(e.get(k, 0.0) for e in rep["engine_seconds"])
@@ -208,6 +209,7 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
         "bridge_all": totals,
         "phases": {k: statistics.median([p.get(k, 0.0) for p in phases]) for k in keys},
         "peak_rss_growth_bytes": max(peaks) if peaks else None,
+        "publisher_held_bytes": max(held),  # packing buffers kept between syncs (shm: in /dev/shm)
     }
     if b:
         out.update(baseline_b=statistics.median(b), baseline_b_all=b, paired_ratios=[t / x for t, x in zip(totals, b, strict=True)])
@@ -449,6 +451,12 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
                        f"{max(r['peak_rss_growth_bytes'] for r in staged) / 1e6:.0f} MB, streaming "
                        f"{max(r['peak_rss_growth_bytes'] for r in streaming) / 1e6:.0f} MB (update {best['bytes'] / 1e6:.0f} MB; "
                        f"not counted: the bucket segments in shared memory, mapped since the previous update)")
+        shm = {r["mode"]: r for r in single if r["transport"] == "shm" and r.get("publisher_held_bytes") is not None}
+        if len(shm) == 2:
+            out.append(f"{model}: shm bucket segments the publisher keeps in /dev/shm: staged "
+                       f"{shm['staged']['publisher_held_bytes'] / 1e6:.0f} MB (the whole update), streaming "
+                       f"{shm['streaming']['publisher_held_bytes'] / 1e6:.0f} MB (a ring of {shm['streaming'].get('bucket_mb', 0):g} MB "
+                       f"buckets, each rewritten once the engines released it)")
         if len(scale) > 1:
             out.append(f"{model}: receivers " + ", ".join(f"{r['receivers']}: {r['bridge'] / scale[0]['bridge']:.2f}x" for r in scale)
                        + " (goal: 4 receivers <= 1.5x)")

@@ -125,12 +125,13 @@ class AttachCache:
         return len(self._kept)
 
     def attach(self, name: str, size: int) -> Segment:
-        """The kept mapping of ``name`` when it has ``size`` bytes (and, if private, no page copied on
-        write); otherwise a new one (TransportError when the segment cannot be mapped)."""
+        """The kept mapping of ``name`` when it has at least ``size`` bytes (a publisher may put a smaller
+        bucket into a segment it made for a larger one) and, if private, no page copied on write;
+        otherwise a new one (TransportError when the segment cannot be mapped)."""
         if not self._keep:
             return Segment.attach(name, size, private=True)
         kept = self._kept.get(name)
-        if kept is not None and kept.size == size and not (self.private and copied_pages(kept.mm) != 0):
+        if kept is not None and kept.size >= size and not (self.private and copied_pages(kept.mm) != 0):
             return kept
         if kept is not None:
             self._drop(name)

@@ -289,10 +289,14 @@ class Abort:
 
 @dataclass(frozen=True)
 class Credit:
-    """The receiver can take ``n`` more buckets (bounded in-flight, back-pressure)."""
+    """The receiver can take ``n`` more buckets (bounded in-flight, back-pressure). ``released`` names the
+    buckets of this update, shared-memory ones only, that neither the receiver nor its workers will read
+    again (streaming: loaded, and no incomplete layer still holds them); once every receiver released a
+    bucket, the publisher may rewrite its segment for a later bucket of the same update."""
 
     version: int
     n: int
+    released: tuple[int, ...] = ()
     type: str = field(default="credit", init=False)
 
 
@@ -326,6 +330,8 @@ def encode(msg: Message) -> bytes:
             body["transports"] = list(msg.transports)
         if isinstance(msg, BucketHeader):
             body["checksums"] = list(msg.checksums)
+        if isinstance(msg, Credit):
+            body["released"] = list(msg.released)
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -392,7 +398,10 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
         if kind == "abort":
             return Abort(version=_int(raw.get("version"), "version"), reason=_str(raw.get("reason", ""), "reason", 1 << 16))
         if kind == "credit":
-            return Credit(version=_int(raw.get("version"), "version"), n=_int(raw.get("n"), "credit", 0, 1 << 20))
+            released = raw.get("released", [])
+            _require(isinstance(released, list) and len(released) <= 1 << 20, "credit.released must be a list of bucket indices")
+            return Credit(version=_int(raw.get("version"), "version"), n=_int(raw.get("n"), "credit", 0, 1 << 20),
+                          released=tuple(_int(i, "released bucket index", 0, 1 << 31) for i in released))  # type: ignore[union-attr]
         if kind == "ping":
             return Heartbeat(version=_int(raw.get("version"), "version"), phase=_str(raw.get("phase", ""), "phase", 64))
         if kind == "ack":

@@ -75,6 +75,7 @@ class _Session:
     spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
     ended: wire.End | None = None  # End arrived while collective receives were still in flight
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still arriving
+    unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
 
     def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
@@ -222,12 +223,22 @@ class SyncReceiver:
             if bucket is not None:
                 if bucket.segment.owner:
                     session.lent.append(bucket.segment)
-                else:
+                else:  # the publisher's segment: released to it once no worker holds it
+                    session.unreleased[index] = bucket.segment.name
                     bucket.segment.close()
             session.loaded.add(index)
             if session.pending is None:
-                self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=1))
+                self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=1,
+                                                               released=self._released(session)))
         return False
+
+    def _released(self, session: _Session) -> tuple[int, ...]:
+        """Loaded shm buckets whose segment no worker maps any more, not yet told to the publisher."""
+        held: frozenset[str] = getattr(self.gate, "stream_held", frozenset)()
+        released = tuple(i for i, name in session.unreleased.items() if name not in held)
+        for index in released:
+            del session.unreleased[index]
+        return released
 
     # ---- loop --------------------------------------------------------------------------------
     def _run(self) -> None:

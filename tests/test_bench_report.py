@@ -81,3 +81,11 @@ def test_verdict_sets_fan_out_against_every_engine_reloading_at_once() -> None:
     lines = verdict(rows)
     assert ("50m: baseline B on every engine at once (the floor for their reloads on this machine) 1: 1.00x, 2: 2.50x, "
             "4: 5.00x; bridge over that floor 1: 1.25, 2: 1.25, 4: 1.50") in lines, lines
+
+
+def test_verdict_states_the_shm_segments_the_publisher_keeps_per_mode() -> None:
+    staged = {**_row("1b", "shm", "staged", 1.6e9, 1.4), "publisher_held_bytes": 1.7e9, "bucket_mb": 64.0}
+    streaming = {**_row("1b", "shm", "streaming", 1.6e9, 1.5), "publisher_held_bytes": 3.2e8, "bucket_mb": 64.0}
+    lines = verdict([add_ratios(staged), add_ratios(streaming)])
+    assert ("1b: shm bucket segments the publisher keeps in /dev/shm: staged 1700 MB (the whole update), streaming "
+            "320 MB (a ring of 64 MB buckets, each rewritten once the engines released it)") in lines, lines

@@ -367,7 +367,7 @@ def test_shm_plane_writes_the_update_after_a_failed_one_into_fresh_segments() ->
     try:
         with WeightPublisher(rx.endpoint, transport="shm") as pub:
             def names() -> set[str]:
-                return {s.name for s in pub._planes["shm"]._segments.values()}  # type: ignore[attr-defined]
+                return {s.name for s in pub._planes["shm"]._all}  # type: ignore[attr-defined]
 
             assert pub.publish(good, 1).ok
             first = names()

@@ -41,6 +41,7 @@ def report_line(report: PublishReport) -> dict[str, Any]:
         "bytes": report.bytes,
         "seconds": report.seconds,
         "gbps": report.gbps,
+        "held_bytes": report.held_bytes,
         "engines": [{"endpoint": e.endpoint, "ok": e.ok, "verified": e.verified, "reason": e.reason, "noop": e.noop,
                      "stale": e.engine.get("stale_tensors", []), "identity": e.engine.get("identity_violations", []),
                      "routed_sinks": e.engine.get("routed_sinks", 0), "routed_bypass": e.engine.get("routed_bypass", 0),

@@ -45,6 +45,7 @@ class PublishReport:
     bytes: int
     seconds: dict[str, float]
     engines: tuple[EngineReport, ...]
+    held_bytes: int = 0  # packing buffers the publisher keeps for the next update (shm: in /dev/shm)
 
     @property
     def ok(self) -> bool:
@@ -64,6 +65,7 @@ class _Peer:
     credit: int = 0
     ack: wire.Ack | None = None
     last_heard: float = 0.0
+    released: set[int] = field(default_factory=set)  # buckets of this update it will not read again
     monitor: Any = None  # ZMQ monitor socket reporting failed security handshakes
 
 
@@ -184,6 +186,7 @@ class WeightPublisher:
                     logger.debug("ignoring %s for version %s while publishing %s", msg.type, msg.version, self._current)
                 elif isinstance(msg, wire.Credit):
                     peer.credit += msg.n
+                    peer.released.update(msg.released)
                 elif isinstance(msg, wire.Ack) and peer.ack is None:
                     peer.ack = msg  # the first answer is the cause; a later one only echoes its aftermath
 
@@ -278,7 +281,7 @@ class WeightPublisher:
             self._send(peer, offer)
         plane.connect()
         for peer in self._peers:
-            peer.credit, peer.ack = 0, None
+            peer.credit, peer.ack, peer.released = 0, None, set()
             self._send(peer, wire.Begin(manifest))
             peer.last_heard = time.monotonic()
         seconds = {"pack": 0.0}
@@ -288,6 +291,7 @@ class WeightPublisher:
             self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.manifest_s, "manifest", self._peers)
             for index, size in enumerate(manifest.bucket_sizes):
                 t0 = time.perf_counter()
+                plane.reusable(self._released())
                 out, sums = produce(index, size)
                 seconds["pack"] += time.perf_counter() - t0
                 header = wire.BucketHeader(version=version, index=index, checksums=sums, segment=out.segment,
@@ -314,12 +318,18 @@ class WeightPublisher:
         finally:
             plane.release(failed=any(p.ack is None or not p.ack.ok for p in self._peers))
         seconds["total"] = time.perf_counter() - t_start
-        report = self._report(manifest, seconds)
+        report = replace(self._report(manifest, seconds), held_bytes=plane.held_bytes)
         failed = {e.endpoint: e.reason for e in report.engines if not e.ok}
         if failed:
             detail = "; ".join(f"{ep}: {why}" for ep, why in failed.items())
             raise UpdateFailed(f"version {version} was not applied by {len(failed)} of {len(self._peers)} engine(s): {detail}", failed)
         return report
+
+    def _released(self) -> set[int]:
+        """Buckets of this update no engine will read again: released by every engine still in it (one
+        that answered ok already, a no-op, reads nothing more; one that failed may still be reading)."""
+        sets = [p.released for p in self._peers if p.ack is None or not p.ack.ok]
+        return set.intersection(*sets) if sets else set()
 
     def _await_acks(self, ack_s: float, heartbeat_s: float) -> None:
         end = time.monotonic() + ack_s

@@ -29,6 +29,10 @@ class SendPlane(ABC):
     def configure(self, depth: int) -> None:  # noqa: B027 - optional hook
         """Told the number of buckets in flight per receiver before each update."""
 
+    def reusable(self, buckets: set[int]) -> None:  # noqa: B027 - optional hook
+        """Buckets of the update in progress that no receiver will read again (each receiver released them
+        in its credits): their buffers may take later buckets. Called before each ``allocate``."""
+
     @abstractmethod
     def allocate(self, index: int, size: int) -> Any:
         """A uint8 torch tensor of ``size`` bytes to pack bucket ``index`` into."""
@@ -51,6 +55,11 @@ class SendPlane(ABC):
     def push(self, version: int, out: OutgoingBucket, peer: int) -> None:  # noqa: B027 - optional hook
         """Send bucket ``out`` of ``version`` to receiver number ``peer`` out of band, right after its
         header (planes whose bytes do not travel as ZMQ frames or shared memory)."""
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of packing buffers this plane keeps for the next update."""
+        return 0
 
     def release(self, failed: bool = False) -> None:
         """The update is over (every receiver answered, ``failed`` if any refused or went away); buffers

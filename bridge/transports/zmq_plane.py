@@ -35,6 +35,10 @@ class ZmqSendPlane(SendPlane):
             buf = self._buffers[slot] = torch.empty(size, dtype=torch.uint8)
         return buf[:size]
 
+    @property
+    def held_bytes(self) -> int:
+        return sum(int(b.numel()) for b in self._buffers.values())
+
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         return OutgoingBucket(index, buffer, (memoryview(buffer.numpy()),))
 
