@@ -3,13 +3,16 @@
 Every receiver on a host reads a publisher's bucket from the same /dev/shm segment, so the bytes each
 one would check are the same bytes: checking them once per host is as safe as checking them once per
 receiver, and 4 receivers on 2 cores otherwise spend 4 memory passes on one bucket. The verdict lives
-next to the segment in ``<segment>.ok`` (unlinked with it): under an exclusive ``flock`` the first receiver verifies and,
-only on success, writes the verdict's key; the others wait for the lock, find the key and skip.
+next to the segment in ``<segment>.ok`` (unlinked with it): under an exclusive ``flock`` the first
+receiver verifies and, only on success, writes the verdict's key; the others wait for the lock, find
+the key and skip.
 
 The key must name exactly the bytes that were verified and how: the publisher's random token of this
-send (a segment is rewritten only in another send, under another token), the segment, version, bucket,
-checksum algorithm and values, and the receiver's policy (a stricter receiver never takes a laxer
-verdict). A failed verification writes nothing, so every receiver reports the failure itself.
+send, the segment, version, bucket, checksum algorithm and values, and the receiver's policy (a stricter
+receiver never takes a laxer verdict). A publisher rewrites a segment within a send only for another
+bucket (streaming's ring, once every receiver released the first) and otherwise only in another send,
+under another token, so a key never outlives the bytes it was made for. A failed verification writes
+nothing, so every receiver reports the failure itself.
 """
 
 from __future__ import annotations
