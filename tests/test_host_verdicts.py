@@ -38,11 +38,10 @@ print("RAN" if verify_once(segment, key, verify, 30.0) else "SKIPPED", flush=Tru
 def _contend(segment: str, key: bytes, log: Path, count: int) -> list[str]:
     procs = [subprocess.Popen([sys.executable, "-c", CONTENDER, segment, key.hex(), str(log)], cwd=ROOT,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(count)]
-    for p in procs:  # all started (interpreters up) before any is told to go
+    for p in procs:  # all started before any is told to go
         assert p.stdin is not None
-    for p in procs:
-        p.stdin.write("go\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
+        p.stdin.write("go\n")
+        p.stdin.flush()
     return sorted(p.communicate(timeout=60)[0].strip() for p in procs)
 
 
