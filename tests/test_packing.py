@@ -175,6 +175,25 @@ def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str
         assert torch.equal(raw.view(torch.bfloat16).view(spec.shape), dict(named)[spec.name].to(torch.bfloat16)), spec.name
 
 
+@pytest.mark.parametrize("algorithm", ["crc32", "xxh3", "crc32c"])
+def test_an_empty_tensor_checksums_as_the_receiver_verifies_it(algorithm: str) -> None:
+    """A zero-element tensor's checksum is the algorithm's value over no bytes (xxh3 of b"" is not 0), so
+    the receiver's verification accepts a bucket holding one."""
+    from bridge.checksums import function
+
+    try:
+        empty = function(algorithm)(b"")
+    except WireError:
+        pytest.skip(f"{algorithm} is not installed here")
+    named = [("model.layers.0.mlp.weight", torch.randn(4, 8)), ("model.layers.0.mlp.empty", torch.empty(0, 8)),
+             ("model.layers.0.mlp.steps", torch.empty(0, dtype=torch.int64))]
+    plan, tensors = make_plan(named, "bfloat16", 64 << 20)
+    bufs, sums = _pack_all_with(plan, tensors, algorithm)
+    specs = _manifest(plan).by_bucket()[0]
+    assert [s for spec, s in zip(specs, sums[0], strict=True) if spec.nbytes == 0] == [empty, empty]
+    verify_bucket(memoryview(bytearray(bufs[0].numpy().tobytes())), specs, tuple(sums[0]), "reject", algorithm)
+
+
 def _pack_all_with(plan: PackPlan, tensors: list[Any], algorithm: str) -> tuple[list[torch.Tensor], list[list[int]]]:
     bufs, sums = [], []
     for index, size in enumerate(plan.bucket_sizes):

@@ -83,8 +83,8 @@ def pack_bucket(plan: PackPlan, tensors: list[Any], index: int, out: Any,
         if transform is not None:
             src = transform(name, src)
         dst = out[place.offset : place.offset + place.nbytes]
-        if not place.nbytes:
-            sums.append(0)
+        if not place.nbytes:  # the algorithm's value over no bytes (xxh3's is not 0)
+            sums.append(0 if fresh is None else int(fresh().intdigest()))
             continue
         target = getattr(torch, plan.dtypes[i])
         if fresh is None:
