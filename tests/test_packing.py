@@ -152,9 +152,11 @@ def test_pack_then_verify_round_trip(target: str, bucket_bytes: int) -> None:
 
 @pytest.mark.parametrize("algorithm", ["crc32", "xxh3", "crc32c"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str) -> None:
-    """Packing copies and sums large tensors chunk by chunk; the checksum is still the algorithm's value
-    over the tensor's bytes as written, down to a last chunk shorter than the rest."""
+@pytest.mark.parametrize("source", ["float32", "bfloat16"])
+def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str, source: str) -> None:
+    """Packing copies and sums large tensors chunk by chunk (cast by torch, or copied as bytes when the
+    source already has the wire dtype); the checksum is still the algorithm's value over the tensor's
+    bytes as written, down to a last chunk shorter than the rest."""
     from bridge.checksums import function
     from trainer_side import packing
 
@@ -163,7 +165,7 @@ def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str
     except WireError:
         pytest.skip(f"{algorithm} is not installed here")
     chunk_elems = packing.PACK_CHUNK_BYTES // 2
-    big = torch.randn(3 * chunk_elems + 1234, dtype=torch.float32).reshape(-1, 2)  # 3.x chunks as bfloat16
+    big = torch.randn(3 * chunk_elems + 1234, dtype=torch.float32).reshape(-1, 2).to(getattr(torch, source))  # 3.x chunks
     src = big.t().contiguous().t() if layout == "transposed" else big
     assert src.is_contiguous() == (layout == "contiguous")
     named = [("model.layers.0.mlp.weight", src), ("model.layers.0.bias", torch.randn(7))]
