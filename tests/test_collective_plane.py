@@ -207,6 +207,33 @@ def test_nccl_plane_publisher_to_two_receivers_bit_exact_link_kept() -> None:
     _plane_to_two_receivers("nccl")
 
 
+@pytest.mark.gpu
+def test_nccl_ranks_sharing_one_gpu_fail_the_update_and_zmq_still_applies() -> None:
+    """On a host with one GPU the publisher's and the receiver's NCCL ranks land on the same device, which
+    NCCL refuses: the update fails within its deadlines naming that, nothing is applied, and the receiver
+    takes the next update over ZMQ."""
+    import torch
+
+    from bridge.errors import UpdateFailed
+    from trainer_side import WeightPublisher
+
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs a host with exactly one GPU, which both ranks then share")
+    rxs, gates = _receivers(1)
+    try:
+        with WeightPublisher(rxs[0].endpoint, config=_small(), transport="nccl") as pub:
+            with pytest.raises(UpdateFailed, match="(?i)duplicate GPU"):
+                pub.publish(_weights(1), 1)
+        assert gates[0].applied == []
+        weights = _weights(2)
+        gates[0].expected = dict(weights)
+        with WeightPublisher(rxs[0].endpoint, config=_small(), transport="zmq") as pub:
+            assert pub.publish(weights, 2).ok
+        assert gates[0].applied == [2]
+    finally:
+        rxs[0].stop()
+
+
 def _plane_to_two_receivers(backend: str) -> None:
     from trainer_side import WeightPublisher
 

@@ -7,8 +7,9 @@ the CPU and cast there: every receiver's bytes must equal theirs. The tensors mi
 float32 master weights cast to the engine's bfloat16 on the way, bfloat16 ones, a transposed (non-contiguous)
 view, a 0-dim scalar, an integer buffer, an empty tensor and one larger than a packing chunk.
 
-``python -m tests.test_gpu_trainer_tensors`` runs the same checks, then prints how fast packing reads CUDA
-tensors against the same bytes on the CPU (the publisher's ``pack`` seconds, median of five).
+``python -m tests.test_gpu_trainer_tensors`` prints how fast packing reads CUDA tensors against the same bytes
+on the CPU (the publisher's ``pack`` seconds and ``pack_bucket`` alone, medians of five) and how fast bytes
+come off the GPU.
 """
 
 from __future__ import annotations
@@ -217,12 +218,10 @@ def pack_bucket_speeds(reps: int = 5) -> dict[str, float]:
     return out
 
 
-if __name__ == "__main__":
-    code = pytest.main([__file__, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--noconftest"])
+if __name__ == "__main__":  # scripts/gpu_check.sh, after the tests: the figures
     speed = pack_speed()
     gb = speed["bytes"] / 1e9
     print(f"pack {gb:.2f} GB bfloat16 -> shm: CPU tensors {speed['cpu']:.3f} s ({gb / speed['cpu']:.1f} GB/s), "
           f"CUDA tensors {speed['cuda']:.3f} s ({gb / speed['cuda']:.1f} GB/s), CUDA/CPU {speed['cuda'] / speed['cpu']:.2f}x")
     print("pack_bucket xxh3, GB/s:", ", ".join(f"{k} {v:.1f}" for k, v in pack_bucket_speeds().items()))
     print("device to host copy, GB/s:", ", ".join(f"{k} {v:.1f}" for k, v in copy_speeds().items()))
-    sys.exit(int(code))
