@@ -275,6 +275,7 @@ class MetricsHub:
             "endpoint": status.get("endpoint"), "tp_size": status.get("tp_size"), "dtype": status.get("dtype"),
             "status_age_s": None if engine.status_at is None else now - engine.status_at,
             "syncs": engine.syncs, "failures": engine.failures, "last_sync": last,
+            "sequences_generated": status.get("sequences_generated"),
         }
 
     def alerts(self) -> list[dict[str, Any]]:

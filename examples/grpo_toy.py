@@ -5,13 +5,13 @@ eighth of the tiny model's 512-token vocabulary by default). The reward of a com
 of its tokens that are targets, checked exactly: a verifiable reward, no reward model.
 
 One step of the loop:
-  1. rollouts: the inference actor (a vLLM engine in a Ray actor) samples ``--group`` completions per
-     prompt at temperature 1;
+  1. rollouts: the inference actors (vLLM engines in Ray actors) sample ``--group`` completions per
+     prompt at temperature 1; with several engines the batch is split in contiguous shares, sampled at once;
   2. advantages: each completion's reward minus its group's mean, divided by the group's std (GRPO);
   3. update: policy-gradient loss on the trainer's own float32 log-probabilities of the sampled tokens
      (one on-policy update per batch, so GRPO's clipped ratio is exactly 1 and drops out), Adam step;
-  4. publish: the new weights go to the engine with ``WeightPublisher`` together with the parity probe
-     (``trainer_side/probe.py``); the engine applies, audits and scores the probe before it answers.
+  4. publish: the new weights go to every engine in one ``WeightPublisher.publish`` together with the parity
+     probe (``trainer_side/probe.py``); each engine applies, audits and scores the probe before it answers.
 
 Every step prints one JSON line: reward, loss, the sync record (version, ok, verified, seconds, GB/s,
 tensors audited, stale tensors, identity violations, probe mismatch) and the train/inference mismatch
@@ -100,6 +100,29 @@ def completion_logprobs(policy: Any, prompts: list[list[int]], completions: list
     return lp, mask
 
 
+def shares(count: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``parts`` contiguous shares of ``count`` items, sizes differing by at most one
+    (the first ones larger); empty shares where ``parts > count``."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(count, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def sample(actors: list[Any], batch: list[list[int]], **kwargs: Any) -> list[dict[str, Any]]:
+    """Rollouts of ``batch`` in order, each engine sampling its contiguous share at the same time."""
+    import ray
+
+    spans = shares(len(batch), len(actors))
+    pending = [actor.generate.remote(batch[a:b], **kwargs) for actor, (a, b) in zip(actors, spans, strict=True) if b > a]
+    return [r for part in ray.get(pending) for r in part]
+
+
 def make_policy(cfg: GRPOConfig) -> Any:
     """A tiny random Qwen2-style policy in float32 (the trainer's precision)."""
     from bridge.tiny_models import build_model
@@ -107,8 +130,10 @@ def make_policy(cfg: GRPOConfig) -> Any:
     return build_model(cfg.kind, cfg.seed).float()
 
 
-def train(cfg: GRPOConfig, policy: Any, actor: Any, endpoint: str, config: Any = None) -> Iterator[dict[str, Any]]:
-    """Run ``cfg.steps`` GRPO steps; yield one log dict per step (after its weights were published)."""
+def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
+          config: Any = None) -> Iterator[dict[str, Any]]:
+    """Run ``cfg.steps`` GRPO steps with rollouts from ``actors`` (one engine each, served at ``endpoints``);
+    yield one log dict per step (after its weights were published to every engine)."""
     import ray
     import torch
 
@@ -121,13 +146,12 @@ def train(cfg: GRPOConfig, policy: Any, actor: Any, endpoint: str, config: Any =
     vocab = int(policy.config.vocab_size)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     prompts = torch.randint(cfg.target_tokens, vocab, (cfg.prompts, cfg.prompt_len), generator=gen).tolist()
-    version = int(ray.get(actor.version.remote()))
-    with WeightPublisher([endpoint], config=config) as publisher:
+    version = max(int(v) for v in ray.get([actor.version.remote() for actor in actors]))
+    with WeightPublisher(endpoints, config=config) as publisher:
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             batch = [p for p in prompts for _ in range(cfg.group)]
-            rollouts = ray.get(actor.generate.remote(batch, max_tokens=cfg.max_tokens, logprobs=0,
-                                                     temperature=cfg.temperature))
+            rollouts = sample(actors, batch, max_tokens=cfg.max_tokens, logprobs=0, temperature=cfg.temperature)
             completions = [r["token_ids"] for r in rollouts]
             rewards = [reward(c, cfg.target_tokens) for c in completions]
             advantages = torch.tensor(group_advantages(rewards, cfg.group))
@@ -186,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         actor, endpoint = start_engine(checkpoint, args.actor_name, args.namespace, config=args.config)
         logs = []
         try:
-            for line in train(cfg, policy, actor, endpoint, config=args.config):
+            for line in train(cfg, policy, [actor], [endpoint], config=args.config):
                 logs.append(line)
                 print(json.dumps(line), flush=True)
         finally:

@@ -61,6 +61,7 @@ class InferenceServer(StreamingGate):
             pin_off_workers([r["pid"] for r in self.setup], [set(r["cpus"]) for r in self.setup])
         self._lock = threading.RLock()
         self._version = 0
+        self._generated = 0  # sequences generated (rollouts served) since start
         self._degraded: str | None = None
         self._records: deque[SyncRecord] = deque(maxlen=self.config.serve.history)
         self._host_copy = self._load_host_copy() if self.config.sync.host_copy else None
@@ -94,6 +95,7 @@ class InferenceServer(StreamingGate):
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],
             "sessions": self.receiver.summary(),
             "host_copy": self._host_copy is not None,
+            "sequences_generated": self._generated,
             "cores": {"workers": [r["cpus"] for r in self.setup], "worker_pids": [r["pid"] for r in self.setup],
                       "receiver": self.receiver.cores()},
         }
@@ -112,6 +114,7 @@ class InferenceServer(StreamingGate):
             if self._degraded:
                 raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            self._generated += len(outs)
         result = []
         for out in outs:
             comp = out.outputs[0]

@@ -31,6 +31,12 @@ def test_default_file_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.sync.nonfinite == "reject"
 
 
+def test_same_host_file_changes_only_the_transport_kind() -> None:
+    cfg = load_config(DEFAULT_CONFIG_PATH.parent / "same-host.yaml")
+    assert cfg.transport.kind == "shm"
+    assert dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, kind="zmq")) == BridgeConfig()
+
+
 def test_env_var_chooses_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("transport:\n  kind: shm\n  depth: 4\n")

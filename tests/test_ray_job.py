@@ -1,10 +1,11 @@
 """Issue 5, Ray job submission and the GRPO example, on a real local Ray head node.
 
 ``ray start --head`` (own ports and temp dir, so other Ray instances on the machine are untouched),
-``ray job submit --working-dir <repo> --no-wait -- python -m trainer_side.ray_job --loop grpo``, poll
-until the job ends, read its logs: the job succeeded, every sync passed (applied, audited, probe within
-bound) and the GRPO reward rose. While the job runs, ``weight-bridge serve --actor`` polls the job's
-named inference actor, as an operator's dashboard would.
+``ray job submit --working-dir <repo> --no-wait -- python -m trainer_side.ray_job --loop grpo --engines 2``
+with ``configs/same-host.yaml`` (shared memory: one copy of each bucket for both engines), poll until the
+job ends, read its logs: the job succeeded, every sync passed on both engines (applied, audited, probe
+within bound, over shm) and the GRPO reward rose. While the job runs, ``weight-bridge serve --actor``
+polls the job's two named inference actors, as an operator's dashboard would.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.engine
 
 STEPS = 16
 ACTOR = "engine-rayjob"
+ACTORS = [ACTOR, f"{ACTOR}-1"]  # --engines 2: the job names the second engine NAME-1
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 600
 
@@ -128,7 +130,7 @@ def _get_json(url: str) -> Any:
 def _start_dashboard(gcs: str) -> tuple[subprocess.Popen[str], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "bridge.cli", "serve", "--port", str(port), "--ray-address", gcs,
-           "--actor", ACTOR, "--poll-interval", "0.5"]
+           *[arg for name in ACTORS for arg in ("--actor", name)], "--poll-interval", "0.5"]
     proc = subprocess.Popen(cmd, env=_ray_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -155,13 +157,14 @@ def job(head: Any) -> Any:
     """Submit the GRPO job, watch it (and its actor through the dashboard) until it ends."""
     submission_id = f"wb-grpo-{uuid.uuid4().hex[:8]}"
     entry = ["python", "-m", "trainer_side.ray_job", "--loop", "grpo", "--steps", str(STEPS),
-             "--actor-name", ACTOR, "--linger", "15"]
+             "--actor-name", ACTOR, "--engines", str(len(ACTORS)), "--config", "configs/same-host.yaml", "--linger", "30"]
     address = head["dashboard"]
     submit = _ray("job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
                   "--no-wait", "--", *entry, timeout=300)
     assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout[-2000:]}\n{submit.stderr[-3000:]}"
     dashboard, url = _start_dashboard(head["gcs"])
     views: list[dict[str, Any]] = []
+    page, rendered_live = None, False
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         status = _job_status(address, submission_id)
@@ -170,11 +173,14 @@ def job(head: Any) -> Any:
                 views.append(_get_json(f"{url}/api/engines"))
             except OSError:
                 pass  # the dashboard is still starting
+            if page is None and views and _all_served(views[-1]):
+                page, rendered_live = _render_dashboard(url), True  # while the job lingers: engines still up
             time.sleep(1.0)
             status = _job_status(address, submission_id)
         if status not in TERMINAL:
             _ray("job", "stop", "--address", address, submission_id)
-        page = _render_dashboard(url)
+        if page is None:
+            page = _render_dashboard(url)
     finally:
         dashboard.terminate()
         dashboard.wait(30)
@@ -182,7 +188,13 @@ def job(head: Any) -> Any:
     lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
     return {"status": status, "logs": logs, "steps": [x for x in lines if "step" in x],
             "summary": next((x["summary"] for x in lines if "summary" in x), None), "views": views,
-            "page": page}
+            "page": page, "rendered_live": rendered_live}
+
+
+def _all_served(view: dict[str, Any]) -> bool:
+    """Every engine of the job is up and serves the last version: the job's final sync landed."""
+    engines = {e.get("engine"): e for e in view.get("engines", [])}
+    return all(engines.get(a, {}).get("version") == STEPS and engines[a].get("health") == "ok" for a in ACTORS)
 
 
 def test_job_succeeds_and_every_sync_passed(job: Any) -> None:
@@ -191,11 +203,14 @@ def test_job_succeeds_and_every_sync_passed(job: Any) -> None:
     assert [s["version"] for s in steps] == list(range(1, STEPS + 1)), job["logs"][-4000:]
     for s in steps:
         sync = s["sync"]
-        assert sync["ok"] and sync["verified"], sync
-        assert sync["tensors_audited"] > 0 and not sync["stale_tensors"] and not sync["identity_violations"], sync
-        assert sync["probe_mean_abs_logprob_diff"] is not None and not sync["probe_flagged"], sync
+        assert [e["engine"] for e in sync["engines"]] == ACTORS, sync  # one publish reached both engines
+        for eng in sync["engines"]:
+            assert eng["ok"] and eng["verified"] and eng["transport"] == "shm", eng
+            assert eng["tensors_audited"] > 0 and not eng["stale_tensors"] and not eng["identity_violations"], eng
+            assert eng["probe_mean_abs_logprob_diff"] is not None and not eng["probe_flagged"], eng
     summary = job["summary"]
     assert summary and summary["syncs"] == summary["syncs_passed"] == STEPS and summary["failed_versions"] == [], summary
+    assert summary["engines"] == ACTORS, summary
 
 
 def test_grpo_reward_rises(job: Any) -> None:
@@ -206,25 +221,37 @@ def test_grpo_reward_rises(job: Any) -> None:
     assert last > first + 0.25, f"reward did not rise: first steps {rewards[:4]}, last steps {rewards[-4:]}"
 
 
-def test_dashboard_polls_the_named_actor(job: Any) -> None:
-    """`weight-bridge serve --actor NAME` found the job's actor and followed its versions to the last one."""
-    seen = [e for view in job["views"] for e in view.get("engines", []) if e.get("engine") == ACTOR]
-    assert seen, f"the dashboard never saw engine {ACTOR}: {job['views'][-3:]}"
+@pytest.mark.parametrize("actor", ACTORS)
+def test_dashboard_polls_the_named_actors(job: Any, actor: str) -> None:
+    """`weight-bridge serve --actor NAME` found each of the job's actors and followed its versions to the last one."""
+    seen = [e for view in job["views"] for e in view.get("engines", []) if e.get("engine") == actor]
+    assert seen, f"the dashboard never saw engine {actor}: {job['views'][-3:]}"
     assert max(e["version"] for e in seen) == STEPS, seen[-1]
     assert any(e.get("health") == "ok" for e in seen), seen[-1]
+    # the GRPO example's 4 prompts x 8 samples per step, split evenly: each engine served its half
+    share = 4 * 8 // len(ACTORS)
+    assert max(e.get("sequences_generated") or 0 for e in seen) == STEPS * share, seen[-1]
 
 
 def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
-    """Headless Chromium on the dashboard that followed the job: one latency and one throughput point per
-    sync of the job's engine, no alert, and a screenshot kept as artifacts/dashboard-live.png."""
+    """Headless Chromium on the dashboard that followed the job, while the job lingers after its last
+    step: both engines listed at the last version and healthy, no alert, one latency, throughput and probe
+    point per sync of each engine, and a screenshot kept as artifacts/dashboard-live.png."""
     from tests.conftest import ARTIFACTS
 
     page = job["page"]
     if page is None:
         pytest.skip("/usr/bin/chromium is absent: run scripts/setup_system.sh")
     for chart in ("chart-latency", "chart-throughput", "chart-probe"):
-        points = [p for p in page.find(chart).find_all("chart-point") if p.attrs.get("data-engine") == ACTOR]
-        assert len(points) == STEPS, (f"{chart}: {len(points)} points for {ACTOR}, expected one per sync ({STEPS}); "
-                                      f"page in {ARTIFACTS / 'dashboard-live.html'}")
+        for actor in ACTORS:
+            points = [p for p in page.find(chart).find_all("chart-point") if p.attrs.get("data-engine") == actor]
+            assert len(points) == STEPS, (f"{chart}: {len(points)} points for {actor}, expected one per sync ({STEPS}); "
+                                          f"page in {ARTIFACTS / 'dashboard-live.html'}")
+    assert job["rendered_live"], "the job ended before the dashboard showed every engine at its last version"
+    rows = {r.attrs["data-engine"]: r for r in page.find_all("engine-row")}
+    assert sorted(rows) == ACTORS, sorted(rows)
+    for actor in ACTORS:  # rendered while the job lingered: both engines up, current, healthy
+        assert (rows[actor].find("engine-version").text, rows[actor].find("engine-health").text) == (f"v{STEPS}", "ok")
+    assert page.find_all("alert-item") == [], [i.text for i in page.find_all("alert-item")]
     shot = (ARTIFACTS / "dashboard-live.png").read_bytes()
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 30_000, "the screenshot is missing or blank"

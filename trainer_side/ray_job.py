@@ -1,21 +1,25 @@
-"""A training loop with the bridge, as a Ray job: the job's driver is the trainer, a named
-``InferenceActor`` on the same node is the engine.
+"""A training loop with the bridge, as a Ray job: the job's driver is the trainer, one or more named
+``InferenceActor`` engines on the same node serve its rollouts.
 
 Against a cluster started with ``ray start --head``, from the repository root::
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m trainer_side.ray_job --loop grpo --steps 20
 
-The driver writes the initial policy as a checkpoint, starts the engine actor (named ``--actor-name``
-in namespace ``--namespace``, so ``weight-bridge serve --ray-address auto --actor NAME`` can watch it),
-then publishes one version per step, generating between syncs:
+The driver writes the initial policy as a checkpoint, starts ``--engines`` engine actors at once (named
+``--actor-name``, then ``NAME-1``, ``NAME-2``, ... in namespace ``--namespace``, so
+``weight-bridge serve --ray-address auto --actor NAME`` can watch them), then publishes one version per
+step to all of them in one publish (with ``transport.kind: shm`` the buckets are written once and every
+engine maps them), generating between syncs:
 
-* ``--loop grpo``: the GRPO example (``examples/grpo_toy.py``, needs the repository as working dir);
-* ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``).
+* ``--loop grpo``: the GRPO example (``examples/grpo_toy.py``, needs the repository as working dir); each
+  step's rollouts are split across the engines, which sample their shares at once;
+* ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``); every
+  engine generates greedily from the same prompts.
 
 Each step prints one JSON line with its sync record; the last line is ``{"summary": ...}``. The exit
-status is 0 only if every sync passed: applied, audited (no stale tensor, no identity violation) and
-its parity probe within bound.
+status is 0 only if every sync passed on every engine: applied, audited (no stale tensor, no identity
+violation) and its parity probe within bound.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.errors import BridgeError
-from trainer_side.publisher import PublishReport
+from trainer_side.publisher import EngineReport, PublishReport
 
 logger = logging.getLogger(__name__)
 
@@ -57,42 +61,95 @@ class JobArgs:
     config: str | None
     start_timeout_s: float
     linger_s: float = 0.0
+    engines: int = 1
+
+
+def engine_names(name: str, count: int) -> list[str]:
+    """Actor names of ``count`` engines: ``name`` for the first, ``name-1``, ``name-2``, ... after it."""
+    return [name if i == 0 else f"{name}-{i}" for i in range(count)]
 
 
 def start_engine(checkpoint: str | Path, name: str, namespace: str, tp: int = 1, dtype: str = "bfloat16",
                  config: Any = None, timeout_s: float = 900.0) -> tuple[Any, str]:
     """A named ``InferenceActor`` serving ``checkpoint``, pinned to this node (the checkpoint is a local
     directory and the receiver binds loopback by default); returns the handle and its endpoint."""
+    (actor,), (endpoint,) = start_engines(checkpoint, [name], namespace, tp, dtype, config, timeout_s)
+    return actor, endpoint
+
+
+def start_engines(checkpoint: str | Path, names: list[str], namespace: str, tp: int = 1, dtype: str = "bfloat16",
+                  config: Any = None, timeout_s: float = 900.0) -> tuple[list[Any], list[str]]:
+    """One named ``InferenceActor`` per name, all started at once on this node; returns the handles and
+    their endpoints in the order of ``names``. If any fails to start, every one is killed."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from inference_side import InferenceActor
 
     here = ray.get_runtime_context().get_node_id()
-    actor = InferenceActor.options(  # type: ignore[attr-defined]
+    actors = [InferenceActor.options(  # type: ignore[attr-defined]
         name=name, namespace=namespace,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-    ).remote(model=str(checkpoint), tensor_parallel_size=tp, dtype=dtype, config=config, name=name)
-    try:
-        endpoint = ray.get(actor.endpoint.remote(), timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types for a failed actor start
-        ray.kill(actor)
-        raise JobError(f"engine actor {name!r} did not start: {type(exc).__name__}: {exc}") from exc
-    logger.info("engine %s serving %s at %s", name, checkpoint, endpoint)
-    return actor, str(endpoint)
+    ).remote(model=str(checkpoint), tensor_parallel_size=tp, dtype=dtype, config=config, name=name) for name in names]
+    endpoints: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    for name, actor in zip(names, actors, strict=True):
+        try:
+            endpoints.append(str(ray.get(actor.endpoint.remote(), timeout=max(deadline - time.monotonic(), 1.0))))
+        except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types for a failed actor start
+            for other in actors:
+                ray.kill(other)
+            raise JobError(f"engine actor {name!r} did not start: {type(exc).__name__}: {exc}") from exc
+        logger.info("engine %s serving %s at %s", name, checkpoint, endpoints[-1])
+    return actors, endpoints
+
+
+def stop_engines(actors: list[Any]) -> None:
+    """Shut every engine down (each its own vLLM engine), then kill its actor; one that fails to shut
+    down is logged and killed, and the others are still stopped."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=120)
+        except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types for a dead actor
+            logger.warning("engine actor did not shut down cleanly (%s: %s); killing it", type(exc).__name__, exc)
+        finally:
+            ray.kill(actor)
+
+
+def engine_summary(eng: EngineReport) -> dict[str, Any]:
+    """One engine's answer to a publish, compact enough for one log line."""
+    rec = eng.engine
+    return {
+        "engine": rec.get("engine", eng.endpoint), "ok": eng.ok, "verified": eng.verified, "reason": eng.reason,
+        "transport": rec.get("transport", ""), "tensors_audited": rec.get("tensors_audited", 0), "stale_tensors": list(rec.get("stale_tensors", [])),
+        "identity_violations": list(rec.get("identity_violations", [])),
+        "probe_mean_abs_logprob_diff": _round(rec.get("probe_mean_abs_logprob_diff"), 6),
+        "probe_kl": _round(rec.get("probe_kl"), 8), "probe_flagged": bool(rec.get("probe_flagged")),
+    }
 
 
 def sync_summary(report: PublishReport) -> dict[str, Any]:
-    """The sync record of a one-engine publish, compact enough for one log line."""
-    (eng,) = report.engines
-    rec = eng.engine
+    """A publish's sync record: the worst of its engines at the top (ok and verified only if every engine
+    is; the fewest tensors audited; every stale tensor and identity violation; the largest probe mismatch),
+    each engine's own answer under ``engines``."""
+    engines = [engine_summary(e) for e in report.engines]
+    diffs = [e["probe_mean_abs_logprob_diff"] for e in engines]
+    kls = [e["probe_kl"] for e in engines]
     return {
-        "version": report.version, "engine": rec.get("engine", eng.endpoint), "ok": eng.ok, "verified": eng.verified,
-        "reason": eng.reason, "bytes": report.bytes, "seconds": round(report.seconds.get("total", 0.0), 4),
-        "gbps": round(report.gbps, 4), "tensors_audited": rec.get("tensors_audited", 0),
-        "stale_tensors": rec.get("stale_tensors", []), "identity_violations": rec.get("identity_violations", []),
-        "probe_mean_abs_logprob_diff": _round(rec.get("probe_mean_abs_logprob_diff"), 6),
-        "probe_kl": _round(rec.get("probe_kl"), 8), "probe_flagged": bool(rec.get("probe_flagged")),
+        "version": report.version, "engine": ",".join(str(e["engine"]) for e in engines),
+        "ok": bool(engines) and all(e["ok"] for e in engines),
+        "verified": bool(engines) and all(e["verified"] for e in engines),
+        "reason": " | ".join(f"{e['engine']}: {e['reason']}" for e in engines if e["reason"]),
+        "bytes": report.bytes, "seconds": round(report.seconds.get("total", 0.0), 4), "gbps": round(report.gbps, 4),
+        "tensors_audited": min((e["tensors_audited"] for e in engines), default=0),
+        "stale_tensors": [s for e in engines for s in e["stale_tensors"]],
+        "identity_violations": [v for e in engines for v in e["identity_violations"]],
+        "probe_mean_abs_logprob_diff": None if None in diffs or not diffs else max(diffs),
+        "probe_kl": None if None in kls or not kls else max(kls),
+        "probe_flagged": any(e["probe_flagged"] for e in engines),
+        "engines": engines,
     }
 
 
@@ -106,8 +163,9 @@ def sync_passed(sync: dict[str, Any]) -> bool:
                 and not sync.get("probe_flagged"))
 
 
-def versions_loop(args: JobArgs, actor: Any, endpoint: str) -> Iterator[dict[str, Any]]:
-    """Publish fresh random weights (seed + step + 1) each step; greedy generation between syncs."""
+def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Iterator[dict[str, Any]]:
+    """Publish fresh random weights (seed + step + 1) each step to every engine; greedy generation on
+    every engine between syncs (``generated``: one list of completions per engine)."""
     import ray
 
     from bridge.tiny_models import build_model
@@ -115,20 +173,20 @@ def versions_loop(args: JobArgs, actor: Any, endpoint: str) -> Iterator[dict[str
     from trainer_side.publisher import WeightPublisher
 
     prompts = [[1, 2, 3, 4, 5], [100, 200, 300]]
-    with WeightPublisher([endpoint], config=args.config) as publisher:
+    with WeightPublisher(endpoints, config=args.config) as publisher:
         for step in range(args.steps):
             model = build_model(args.kind, args.seed + step + 1)
             report = publisher.publish(model.named_parameters(), version=step + 1, probe=build_probe(model))
-            outs = ray.get(actor.generate.remote(prompts, max_tokens=8))
+            outs = ray.get([actor.generate.remote(prompts, max_tokens=8) for actor in actors])
             yield {"step": step, "version": step + 1, "sync": sync_summary(report),
-                   "generated": [o["token_ids"] for o in outs]}
+                   "generated": [[o["token_ids"] for o in out] for out in outs]}
 
 
-def grpo_loop(args: JobArgs, actor: Any, endpoint: str, policy: Any) -> Iterator[dict[str, Any]]:
+def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: Any) -> Iterator[dict[str, Any]]:
     from examples.grpo_toy import GRPOConfig, train
 
     cfg = GRPOConfig(kind=args.kind, steps=args.steps, seed=args.seed)
-    return train(cfg, policy, actor, endpoint, config=args.config)
+    return train(cfg, policy, actors, endpoints, config=args.config)
 
 
 def run(args: JobArgs) -> int:
@@ -151,21 +209,22 @@ def run(args: JobArgs) -> int:
     lines: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="wb-ray-job-") as tmp:
         checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
-        actor, endpoint = start_engine(checkpoint, args.actor_name, args.namespace, args.tp, args.dtype,
-                                       args.config, args.start_timeout_s)
+        names = engine_names(args.actor_name, args.engines)
+        actors, endpoints = start_engines(checkpoint, names, args.namespace, args.tp, args.dtype, args.config,
+                                          args.start_timeout_s)
         try:
-            steps = grpo_loop(args, actor, endpoint, policy) if args.loop == "grpo" else versions_loop(args, actor, endpoint)
+            steps = (grpo_loop(args, actors, endpoints, policy) if args.loop == "grpo"
+                     else versions_loop(args, actors, endpoints))
             for line in steps:
                 lines.append(line)
                 print(json.dumps(line), flush=True)
             if args.linger_s > 0:
-                logger.info("keeping engine %s up for %.0fs (dashboards may read it)", args.actor_name, args.linger_s)
+                logger.info("keeping engines %s up for %.0fs (dashboards may read them)", names, args.linger_s)
                 time.sleep(args.linger_s)
         finally:
-            ray.get(actor.shutdown.remote())
-            ray.kill(actor)
+            stop_engines(actors)
     failed = [x["version"] for x in lines if not sync_passed(x["sync"])]
-    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "syncs": len(lines),
+    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "engines": names, "syncs": len(lines),
                                "syncs_passed": len(lines) - len(failed), "failed_versions": failed}
     if args.loop == "grpo" and lines:
         k = max(1, len(lines) // 4)
@@ -182,7 +241,9 @@ def parse(argv: list[str] | None = None) -> JobArgs:
     p.add_argument("--kind", default="tiny", help="model preset: tiny, 50m, 350m, 1b (versions also: gpt_oss)")
     p.add_argument("--steps", type=int, default=20, help="versions to publish (default: 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--actor-name", default="engine-0", help="name of the InferenceActor (default: engine-0)")
+    p.add_argument("--actor-name", default="engine-0",
+                   help="name of the (first) InferenceActor; more engines are NAME-1, NAME-2, ... (default: engine-0)")
+    p.add_argument("--engines", type=int, default=1, help="engine actors fed by the one trainer (default: 1)")
     p.add_argument("--namespace", default="weight-bridge", help="Ray namespace (default: weight-bridge)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size of the engine")
     p.add_argument("--dtype", default="bfloat16", help="engine dtype")
@@ -193,10 +254,12 @@ def parse(argv: list[str] | None = None) -> JobArgs:
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be at least 1")
+    if a.engines < 1:
+        p.error("--engines must be at least 1")
     if a.loop == "grpo" and a.kind == "gpt_oss":
         p.error("--loop grpo trains a dense policy; use --kind tiny (or 50m, ...)")
     return JobArgs(a.loop, a.kind, a.steps, a.seed, a.actor_name, a.namespace, a.tp, a.dtype, a.config, a.start_timeout,
-                   a.linger)
+                   a.linger, a.engines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,87 @@
+"""The Ray job's pure pieces, without Ray: engine names, the split of a step's rollouts across engines,
+and the sync summary of a publish to several engines (the worst engine decides)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainer_side.publisher import EngineReport, PublishReport
+from trainer_side.ray_job import engine_names, parse, sync_passed, sync_summary
+
+
+@pytest.mark.parametrize(("count", "names"), [
+    (1, ["eng"]),
+    (3, ["eng", "eng-1", "eng-2"]),
+])
+def test_engine_names_keep_the_first_name(count: int, names: list[str]) -> None:
+    assert engine_names("eng", count) == names
+
+
+@pytest.mark.parametrize(("count", "parts", "spans"), [
+    (32, 1, [(0, 32)]),
+    (32, 2, [(0, 16), (16, 32)]),
+    (10, 3, [(0, 4), (4, 7), (7, 10)]),
+    (2, 4, [(0, 1), (1, 2), (2, 2), (2, 2)]),
+    (0, 2, [(0, 0), (0, 0)]),
+])
+def test_rollout_shares_cover_the_batch_in_order(count: int, parts: int, spans: list[tuple[int, int]]) -> None:
+    from examples.grpo_toy import shares
+
+    got = shares(count, parts)
+    assert got == spans
+    assert [i for a, b in got for i in range(a, b)] == list(range(count))  # every item once, in order
+
+
+def test_rollout_shares_refuse_zero_engines() -> None:
+    from examples.grpo_toy import shares
+
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        shares(8, 0)
+
+
+def _engine(name: str, ok: bool = True, probe: float | None = 0.01, flagged: bool = False,
+            stale: tuple[str, ...] = (), audited: int = 27) -> EngineReport:
+    record: dict[str, Any] = {"engine": name, "tensors_audited": audited, "stale_tensors": list(stale),
+                              "identity_violations": [], "probe_mean_abs_logprob_diff": probe, "probe_kl": 1e-5,
+                              "probe_flagged": flagged, "transport": "shm"}
+    return EngineReport(endpoint=f"tcp://{name}", version=3, ok=ok, reason="" if ok else "AuditError: stale",
+                        bytes=100, seconds={"total": 0.1}, verified=ok, engine=record)
+
+
+def _publish(*engines: EngineReport) -> PublishReport:
+    return PublishReport(version=3, bytes=100, seconds={"total": 0.2}, engines=engines)
+
+
+def test_summary_of_healthy_engines_passes_and_lists_each() -> None:
+    sync = sync_summary(_publish(_engine("a", probe=0.01), _engine("b", probe=0.03, audited=25)))
+    assert sync_passed(sync)
+    assert [e["engine"] for e in sync["engines"]] == ["a", "b"]
+    assert sync["probe_mean_abs_logprob_diff"] == 0.03 and sync["tensors_audited"] == 25
+    assert all(e["transport"] == "shm" for e in sync["engines"])
+
+
+@pytest.mark.parametrize("bad", [
+    _engine("b", ok=False, stale=("model.norm.weight: stale",)),
+    _engine("b", flagged=True, probe=0.2),
+    _engine("b", probe=None),
+])
+def test_one_bad_engine_fails_the_sync(bad: EngineReport) -> None:
+    sync = sync_summary(_publish(_engine("a"), bad))
+    assert not sync_passed(sync), sync
+    assert sync["engines"][1]["engine"] == "b"
+    if not bad.ok:
+        assert not sync["ok"] and sync["stale_tensors"] == ["model.norm.weight: stale"]
+        assert sync["reason"] == "b: AuditError: stale"
+
+
+def test_summary_of_no_engine_does_not_pass() -> None:
+    assert not sync_passed(sync_summary(_publish()))
+
+
+def test_engines_argument_is_validated() -> None:
+    assert parse(["--engines", "3"]).engines == 3
+    assert parse([]).engines == 1
+    with pytest.raises(SystemExit):
+        parse(["--engines", "0"])
