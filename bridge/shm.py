@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
+import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from bridge.errors import TransportError
@@ -16,8 +19,70 @@ PREFIX = "wb-"
 VERDICT_SUFFIX = ".ok"  # a host's verdict on a segment's bytes (bridge/host_verdicts.py), unlinked with it
 
 
+# wb-<tag>-<pid namespace>-<pid>-<token>[.ok]: who made a segment, so a dead maker's segments can be swept
+_OWNED_RE = re.compile(r"wb-(?P<tag>[a-z0-9_]+)-(?P<ns>[0-9]+)-(?P<pid>[0-9]+)-[0-9a-f]{12}(?:\.ok)?")
+
+
+@functools.cache
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 when the kernel does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def new_name(tag: str) -> str:
-    return f"{PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+    return f"{PREFIX}{tag}-{pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    removed: tuple[str, ...]
+    bytes: int
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def sweep_orphans(directory: Path = SHM_DIR) -> SweepReport:
+    """Unlink the segments (and their verdicts) whose maker is dead: a publisher or receiver that was
+    SIGKILLed (or OOM-killed) never unlinks them, and /dev/shm is memory. Only names this code makes are
+    considered, and only those made in this pid namespace by a pid that no longer exists; segments of
+    live processes and of other pid namespaces (a container sharing /dev/shm) are left alone, as is every
+    segment when the namespace is unknown. A dead maker's pid reused by a new process keeps its segments."""
+    ns = pid_namespace()
+    removed: list[str] = []
+    freed = 0
+    if ns == 0:
+        return SweepReport((), 0)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return SweepReport((), 0)
+    for name in names:
+        m = _OWNED_RE.fullmatch(name)
+        if m is None or int(m["ns"]) != ns or _alive(int(m["pid"])):
+            continue
+        path = directory / name
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue  # gone meanwhile (another sweeper)
+        removed.append(name)
+        freed += size
+    if removed:
+        logger.warning("removed %d shared-memory segments (%.1f MB) left by dead processes: %s",
+                       len(removed), freed / 1e6, ", ".join(sorted(removed)[:8]))
+    return SweepReport(tuple(sorted(removed)), freed)
 
 
 def _path(name: str) -> Path:

@@ -23,7 +23,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
 from bridge.host_verdicts import verdict_key, verify_once
-from bridge.shm import AttachCache, Segment, SegmentPool
+from bridge.shm import AttachCache, Segment, SegmentPool, sweep_orphans
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,7 @@ class SyncReceiver:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
+        sweep_orphans()  # segments a SIGKILLed predecessor (or any dead publisher) left in /dev/shm
         self._thread = threading.Thread(target=self._run, name="wb-receiver", daemon=True)
         self._thread.start()
         self._ready.wait(30)

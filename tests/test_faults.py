@@ -120,7 +120,7 @@ def actor_tree(actor: Any) -> tuple[int, set[int]]:
 
 
 def receiver_segments(pid: int) -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"wb-recv-{pid}-*"))
+    return sorted(p.name for p in Path("/dev/shm").glob(f"wb-recv-*-{pid}-*"))
 
 
 @pytest.fixture(scope="module")
@@ -362,11 +362,13 @@ def test_actor_killed_mid_update_comes_back_through_ray(engine: Any, checkpoints
         with WeightPublisher([endpoint], config=_config()) as pub:
             assert pub.publish(_weights(2), version=1).ok
         version = 1
-    _pid, old_tree = actor_tree(actor)
+    pid, old_tree = actor_tree(actor)
     with WeightPublisher([endpoint], config=_config()) as pub:
         err = _publish_interrupted(pub, _weights(3), version + 1, actor, lambda: ray.kill(actor, no_restart=False))
     assert endpoint in err.reasons, err
     assert f"{endpoint}: DeadlineExceeded: bucket" in str(err), err
+    leaked = receiver_segments(pid)  # the killed receiver's staging: SIGKILL unlinks nothing
+    assert leaked, "the killed actor left no receive segments: nothing for the restarted one to sweep"
     # Ray restarts the actor (max_restarts=1): it cold-loads v1 and says so
     deadline = time.monotonic() + 600
     while True:
@@ -377,6 +379,7 @@ def test_actor_killed_mid_update_comes_back_through_ray(engine: Any, checkpoints
             assert time.monotonic() < deadline, "Ray did not restart the actor"
             time.sleep(0.5)
     assert served == 0
+    assert receiver_segments(pid) == [], "the restarted actor did not sweep its predecessor's receive segments"
     status = ray.get(actor.status.remote())
     assert status["degraded"] is None and status["sessions"] == []
     assert_same_outputs(generate(actor), engine["v1_outputs"])

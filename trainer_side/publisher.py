@@ -19,6 +19,7 @@ from bridge import wire
 from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
+from bridge.shm import sweep_orphans
 from bridge.transports import COLLECTIVE_BACKENDS, send_plane
 from bridge.transports.base import OutgoingBucket, SendPlane
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
@@ -77,6 +78,7 @@ class WeightPublisher:
         import zmq
 
         self.config = config if isinstance(config, BridgeConfig) else load_config(config)
+        sweep_orphans()  # segments a SIGKILLed trainer (or any dead receiver) left in /dev/shm
         self.transport = transport or self.config.transport.kind
         self.name = name or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._ctx: Any = zmq.Context.instance()
