@@ -38,15 +38,18 @@ def sample_records(now: float | None = None) -> list[SyncRecord]:
     return records
 
 
-def status(engine: str, version: int, degraded: str | None = None) -> dict[str, Any]:
-    return {"engine": engine, "endpoint": f"tcp://127.0.0.1:{5550 + version}", "version": version,
-            "degraded": degraded, "tp_size": 2, "dtype": "bfloat16", "sinks": []}
+def status(engine: str, version: int, degraded: str | None = None, generated: int | None = None) -> dict[str, Any]:
+    out = {"engine": engine, "endpoint": f"tcp://127.0.0.1:{5550 + version}", "version": version,
+           "degraded": degraded, "tp_size": 2, "dtype": "bfloat16", "sinks": []}
+    if generated is not None:  # an engine that predates the counter does not report it
+        out["sequences_generated"] = generated
+    return out
 
 
 def sample_hub() -> MetricsHub:
     hub = MetricsHub(history=100)
     for record in sample_records():
         hub.observe(record)
-    hub.set_engine_status(status("engine-a", 3))
+    hub.set_engine_status(status("engine-a", 3, generated=96))
     hub.set_engine_status(status("engine-b", 2, degraded="update to v3 failed after loading began: stale"))
     return hub

@@ -76,6 +76,7 @@ def test_engines_api_reports_version_lag_health_and_alerts(service: DashboardSer
     assert view["trainer_version"] == 3
     rows = {e["engine"]: (e["version"], e["lag"], e["health"]) for e in view["engines"]}
     assert rows == {"engine-a": (3, 0, "ok"), "engine-b": (2, 1, "degraded")}
+    assert {e["engine"]: e["sequences_generated"] for e in view["engines"]} == {"engine-a": 96, "engine-b": None}
     assert any(a["kind"] == "stale" and STALE_TENSOR in a["message"] for a in view["alerts"])
 
 
@@ -257,13 +258,14 @@ def rendered(service: DashboardService) -> Node:
 
 
 @needs_chromium
-def test_page_lists_each_engine_with_version_lag_and_health(rendered: Node) -> None:
+def test_page_lists_each_engine_with_version_lag_health_and_rollouts(rendered: Node) -> None:
     rows = {r.attrs["data-engine"]: r for r in rendered.find_all("engine-row")}
     assert set(rows) == {"engine-a", "engine-b"}
     a, b = rows["engine-a"], rows["engine-b"]
     assert (a.find("engine-version").text, a.find("engine-lag").text, a.find("engine-health").text) == ("v3", "0", "ok")
     assert (b.find("engine-version").text, b.find("engine-lag").text, b.find("engine-health").text) == \
         ("v2", "1 behind", "degraded")
+    assert (a.find("engine-rollouts").text, b.find("engine-rollouts").text) == ("96", "–")
     assert rendered.find("trainer-version").text == "v3"
     assert rendered.find("live-status").text.startswith("live")
 

@@ -250,8 +250,11 @@ def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
     assert job["rendered_live"], "the job ended before the dashboard showed every engine at its last version"
     rows = {r.attrs["data-engine"]: r for r in page.find_all("engine-row")}
     assert sorted(rows) == ACTORS, sorted(rows)
-    for actor in ACTORS:  # rendered while the job lingered: both engines up, current, healthy
-        assert (rows[actor].find("engine-version").text, rows[actor].find("engine-health").text) == (f"v{STEPS}", "ok")
+    share = 4 * 8 // len(ACTORS)  # rollouts per step each engine served
+    for actor in ACTORS:  # rendered while the job lingered: both engines up, current, healthy, each its rollouts
+        row = rows[actor]
+        assert (row.find("engine-version").text, row.find("engine-health").text) == (f"v{STEPS}", "ok")
+        assert row.find("engine-rollouts").text == str(STEPS * share)
     assert page.find_all("alert-item") == [], [i.text for i in page.find_all("alert-item")]
     shot = (ARTIFACTS / "dashboard-live.png").read_bytes()
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 30_000, "the screenshot is missing or blank"
