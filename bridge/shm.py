@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import mmap
 import os
@@ -23,9 +22,9 @@ VERDICT_SUFFIX = ".ok"  # a host's verdict on a segment's bytes (bridge/host_ver
 _OWNED_RE = re.compile(r"wb-(?P<tag>[a-z0-9_]+)-(?P<ns>[0-9]+)-(?P<pid>[0-9]+)-[0-9a-f]{12}(?:\.ok)?")
 
 
-@functools.cache
 def pid_namespace() -> int:
-    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 when the kernel does not say."""
+    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 when the kernel does not say.
+    Read on every call (a few microseconds): a child forked after ``unshare`` lives in another one."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
