@@ -19,7 +19,8 @@ VERDICT_SUFFIX = ".ok"  # a host's verdict on a segment's bytes (bridge/host_ver
 
 
 # wb-<tag>-<pid namespace>-<pid>-<token>[.ok]: who made a segment, so a dead maker's segments can be swept
-_OWNED_RE = re.compile(r"wb-(?P<tag>[a-z0-9_]+)-(?P<ns>[0-9]+)-(?P<pid>[0-9]+)-[0-9a-f]{12}(?:\.ok)?")
+_OWNED_RE = re.compile(re.escape(PREFIX) + r"(?P<tag>[a-z0-9_]+)-(?P<ns>[0-9]+)-(?P<pid>[0-9]+)-[0-9a-f]{12}"
+                       + f"(?:{re.escape(VERDICT_SUFFIX)})?")
 
 
 def pid_namespace() -> int:
