@@ -39,6 +39,10 @@ class VersionError(BridgeError):
     """A weight version is older than the one the engine serves."""
 
 
+class VersionConflict(VersionError):
+    """A version the engine already serves was published again with different weights."""
+
+
 class AuditError(BridgeError):
     """A tensor the trainer sent did not reach the live storage the kernels read."""
 

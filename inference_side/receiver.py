@@ -23,6 +23,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
 from bridge.host_verdicts import verdict_key, verify_once
+from bridge.served import ServedContent
 from bridge.shm import AttachCache, Segment, SegmentPool, sweep_orphans
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
@@ -77,6 +78,7 @@ class _Session:
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still arriving
     unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
+    sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
 
     def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
         """End the session; with ``pool``, receive segments no worker can still map go back to it."""
@@ -147,6 +149,7 @@ class SyncReceiver:
         self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
         self._attached = AttachCache()  # publishers' shm segments, mapped once (transport shm)
         self._pruned = 0.0
+        self._served = ServedContent()  # checksums of what the engine serves (answers a re-sent version)
         self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s, config.transport.bind_host)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -370,7 +373,11 @@ class SyncReceiver:
             self._fail(sock, identity, manifest.version, f"{type(exc).__name__}: {exc}")
             return
         if noop:
-            self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report={"noop": True}))
+            report: dict[str, Any] = {"noop": True}
+            served = self._served.lookup(manifest)
+            if served is not None:  # the publisher checks its own sums against these (bridge/served.py)
+                report["served_checksums"] = served
+            self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report=report))
             return
         if manifest.checksum == "none" and self.config.sync.verify_checksums:
             self._fail(sock, identity, manifest.version, "WireError: the publisher sends no checksums (its sync.checksum is "
@@ -437,6 +444,8 @@ class SyncReceiver:
         m = session.manifest
         specs = m.by_bucket()[index]
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
+        if len(checksums) == len(specs):
+            session.sums.update(zip((s.name for s in specs), checksums, strict=True))
         session.bytes_in += m.bucket_sizes[index]
         try:
             scfg = self.config.sync
@@ -524,6 +533,9 @@ class SyncReceiver:
                     except BaseException as exc:  # noqa: BLE001 - report whatever broke the apply
                         result = ApplyResult(False, f"{type(exc).__name__}: {exc}")
                     session.close(pool=self._pool if result.ok else None)  # a failed update frees its staging
+                    if result.ok and not result.report.get("noop"):
+                        m = session.manifest
+                        self._served.record(m.checksum, session.sums, (t.name for t in m.tensors))
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     report.setdefault("buckets_verified_by_peer", session.verified_by_peer)

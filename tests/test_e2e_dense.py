@@ -184,3 +184,33 @@ def test_publisher_reports_engine_reason(dense: Any) -> None:
     assert "tensor model.norm.weight: shape [64] does not match the engine's [128]" in str(info.value)
     assert endpoint in info.value.reasons
     assert generate(actor) == before
+
+
+def test_same_version_with_other_weights_is_refused(dense: Any) -> None:
+    """A version number the engine serves, re-sent with other weights (two trainers sharing a version
+    range), is refused as a VersionConflict naming the tensor, and the engine keeps serving what it had;
+    the same weights again stay a no-op, checked by their checksums (tests/test_served.py: the parts)."""
+    import ray
+    import torch
+
+    from bridge.errors import UpdateFailed
+    from trainer_side import WeightPublisher
+
+    if dense["tp"] != 1:
+        pytest.skip("decided on the receiver, the same at every TP size")
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    version = ray.get(actor.version.remote()) + 10
+    norm = torch.full((128,), 1.25, dtype=torch.bfloat16)
+    with WeightPublisher([endpoint]) as pub:
+        assert pub.publish([(NORM, norm)], version=version).ok
+        served = generate(actor)
+        with pytest.raises(UpdateFailed) as info:
+            pub.publish([(NORM, norm * 0.5)], version=version)
+        assert info.value.reasons[endpoint].startswith(
+            f"VersionConflict: version {version} is already served with different weights (1 of 1 tensors differ: {NORM})")
+        assert ray.get(actor.version.remote()) == version
+        assert generate(actor) == served
+        assert ray.get(actor.read_params.remote([NORM]))[0][NORM][:4] == [1.25] * 4
+        (again,) = pub.publish([(NORM, norm)], version=version).engines
+        assert again.noop and again.engine.get("content_checked") is True

@@ -19,6 +19,7 @@ from bridge import wire
 from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
+from bridge.served import conflict_reason, differing, published_sums
 from bridge.shm import sweep_orphans
 from bridge.transports import COLLECTIVE_BACKENDS, send_plane
 from bridge.transports.base import OutgoingBucket, SendPlane
@@ -289,6 +290,7 @@ class WeightPublisher:
         seconds = {"pack": 0.0}
         deadlines = self.config.deadlines
         token = secrets.token_hex(8)  # names this send's segment bytes in the receivers' host verdicts
+        packed: dict[int, tuple[int, ...]] = {}  # each bucket's checksums, to check the engines' no-ops
         try:
             self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.manifest_s, "manifest", self._peers)
             for index, size in enumerate(manifest.bucket_sizes):
@@ -296,6 +298,7 @@ class WeightPublisher:
                 plane.reusable(self._released())
                 out, sums = produce(index, size)
                 seconds["pack"] += time.perf_counter() - t0
+                packed[index] = sums
                 header = wire.BucketHeader(version=version, index=index, checksums=sums, segment=out.segment,
                                            token=token if out.segment else "")
                 active = [p for p in self._peers if p.ack is None]
@@ -312,6 +315,7 @@ class WeightPublisher:
             t_end = time.perf_counter()
             self._await_acks(deadlines.ack_s, deadlines.heartbeat_s)
             seconds["apply"] = time.perf_counter() - t_end
+            self._check_noops(manifest, packed)
         except (TransportError, WireError) as exc:  # DeadlineExceeded is a TransportError
             for peer in self._peers:
                 if peer.ack is None:
@@ -326,6 +330,28 @@ class WeightPublisher:
             detail = "; ".join(f"{ep}: {why}" for ep, why in failed.items())
             raise UpdateFailed(f"version {version} was not applied by {len(failed)} of {len(self._peers)} engine(s): {detail}", failed)
         return report
+
+    def _check_noops(self, manifest: wire.Manifest, packed: dict[int, tuple[int, ...]]) -> None:
+        """An engine that answered "already served" sent the checksums it recorded for that version: where
+        they differ from what this publisher packed, the version number was reused for other weights, and
+        that engine's answer becomes a VersionConflict (it keeps serving its own; bridge/served.py)."""
+        ours = published_sums(manifest, packed)
+        for peer in self._peers:
+            ack = peer.ack
+            if ack is None or not ack.ok or "served_checksums" not in ack.report:
+                continue
+            report = {k: v for k, v in ack.report.items() if k != "served_checksums"}
+            names = differing(manifest, ours, ack.report["served_checksums"])
+            if names:
+                reason = conflict_reason(manifest.version, names, len(manifest.tensors))
+                logger.error("%s: %s", peer.endpoint, reason)
+                peer.ack = wire.Ack(version=ack.version, ok=False, reason=reason,
+                                    report={**report, "noop": False, "conflicting_tensors": names})
+            else:
+                if names is None:
+                    logger.warning("%s: its checksums of version %s cannot be compared with this publisher's; "
+                                   "no-op taken on the version number", peer.endpoint, manifest.version)
+                peer.ack = replace(ack, report={**report, "content_checked": names is not None})
 
     def _released(self) -> set[int]:
         """Buckets of this update no engine will read again: released by every engine still in it (one

@@ -1,0 +1,184 @@
+"""A version number re-used for other weights is a VersionConflict, not a silent "already served".
+
+The pure parts (what an engine records, what it answers, what the publisher compares) are checked case by
+case; then a real publisher and a real receiver over real sockets (ZMQ, shared memory, gloo) with a small
+in-process gate that, like the engine's, answers "already served" for the version it serves. The engine
+itself: tests/test_e2e_dense.py::test_same_version_with_other_weights_is_refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from bridge import wire
+from bridge.config import config_from_dict
+from bridge.errors import UpdateFailed
+from bridge.served import ServedContent, conflict_reason, differing, published_sums
+from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from trainer_side import WeightPublisher
+
+
+def _manifest(names: list[str], buckets: list[int], checksum: str = "xxh3") -> wire.Manifest:
+    specs = tuple(wire.TensorSpec(n, "bfloat16", (4,), b, 0, 8) for n, b in zip(names, buckets, strict=True))
+    return wire.Manifest(version=3, tensors=specs, bucket_sizes=tuple(8 for _ in range(max(buckets) + 1)), checksum=checksum)
+
+
+# ---- what an engine records and answers -------------------------------------------------------------
+
+@pytest.mark.parametrize(("updates", "asked", "expected"), [
+    # one full update, asked for the same tensors: its sums in the manifest's order
+    ([("xxh3", {"a": 1, "b": 2})], (["b", "a"], "xxh3"), [2, 1]),
+    # a partial update overrides only its own tensors
+    ([("xxh3", {"a": 1, "b": 2}), ("xxh3", {"b": 5})], (["a", "b"], "xxh3"), [1, 5]),
+    # asked under another algorithm: it cannot say
+    ([("xxh3", {"a": 1})], (["a"], "crc32"), None),
+    # a change of algorithm forgets what the other one recorded
+    ([("xxh3", {"a": 1, "b": 2}), ("crc32", {"b": 7})], (["a", "b"], "crc32"), None),
+    ([("xxh3", {"a": 1, "b": 2}), ("crc32", {"b": 7})], (["b"], "crc32"), [7]),
+    # an update sent without checksums leaves nothing to compare
+    ([("xxh3", {"a": 1}), ("none", {})], (["a"], "none"), None),
+    ([("xxh3", {"a": 1}), ("none", {})], (["a"], "xxh3"), None),
+    # a tensor never updated with a checksum (the cold-loaded model's): it cannot say
+    ([("xxh3", {"a": 1})], (["a", "c"], "xxh3"), None),
+    # nothing recorded yet
+    ([], (["a"], "xxh3"), None),
+])
+def test_served_content_lookup(updates: list[tuple[str, dict[str, int]]], asked: tuple[list[str], str],
+                               expected: list[int] | None) -> None:
+    served = ServedContent()
+    for algorithm, sums in updates:
+        served.record(algorithm, sums, sums.keys() if sums else ["a"])
+    names, algorithm = asked
+    assert served.lookup(_manifest(names, [0] * len(names), algorithm)) == expected
+
+
+def test_a_tensor_updated_without_its_checksum_is_forgotten() -> None:
+    served = ServedContent()
+    served.record("xxh3", {"a": 1, "b": 2}, ["a", "b"])
+    served.record("xxh3", {"a": 3}, ["a", "b"])  # b came without a checksum this time
+    assert served.lookup(_manifest(["a"], [0])) == [3]
+    assert served.lookup(_manifest(["a", "b"], [0, 0])) is None
+
+
+# ---- what the publisher compares ------------------------------------------------------------------
+
+def test_published_sums_follow_each_buckets_order() -> None:
+    m = _manifest(["a", "b", "c"], [0, 0, 1])
+    assert published_sums(m, {0: (10, 11), 1: (12,)}) == {"a": 10, "b": 11, "c": 12}
+    assert published_sums(m, {0: (), 1: (12,)}) == {"c": 12}  # a bucket sent without checksums
+
+
+@pytest.mark.parametrize(("served", "expected"), [
+    ([1, 2, 3], []),
+    ([1, 9, 3], ["b"]),
+    ([9, 2, 8], ["a", "c"]),
+    ([1, 2], None),            # wrong length
+    ("1,2,3", None),           # not a list
+    ([1, 2, "3"], None),       # not integers
+    ([1, 2, True], None),
+])
+def test_differing(served: Any, expected: list[str] | None) -> None:
+    m = _manifest(["a", "b", "c"], [0, 0, 1])
+    assert differing(m, {"a": 1, "b": 2, "c": 3}, served) == expected
+
+
+def test_differing_cannot_compare_what_the_publisher_did_not_sum() -> None:
+    m = _manifest(["a", "b"], [0, 1])
+    assert differing(m, {"a": 1}, [1, 2]) is None
+
+
+def test_conflict_reason_names_the_tensors_and_what_to_do() -> None:
+    names = [f"t{i}" for i in range(8)]
+    reason = conflict_reason(4, names, 20)
+    assert reason.startswith("VersionConflict: version 4 is already served with different weights (8 of 20 tensors differ")
+    assert "t0, t1, t2, t3, t4 and 3 more" in reason and "t5" not in reason
+    assert "newer version" in reason
+
+
+# ---- over real sockets --------------------------------------------------------------------------------
+
+class VersionGate:
+    """Like the engine's gate: refuses older versions, answers "already served" for its own."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.applied: list[tuple[int, dict[str, bytes]]] = []
+
+    def info(self) -> wire.EngineInfo:
+        return wire.EngineInfo(dtype="bfloat16", version=self.version, tp_size=1, transports=("zmq", "shm", "gloo"),
+                               host="test")
+
+    def validate(self, manifest: wire.Manifest) -> str | None:
+        return f"version {manifest.version} already served" if manifest.version == self.version else None
+
+    def apply(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult:
+        got = {s.name: bytes(b.segment.buffer[s.offset : s.offset + s.nbytes]) for b in buckets for s in b.specs}
+        self.version = manifest.version
+        self.applied.append((manifest.version, got))
+        return ApplyResult(True)
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"model.layers.{i}.mlp.weight", torch.randn(2048, generator=gen).to(torch.bfloat16)) for i in range(6)]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Any]:
+    made: list[SyncReceiver] = []
+
+    def start(gate: VersionGate) -> SyncReceiver:
+        rx = SyncReceiver(gate, CONFIG)
+        rx.start()
+        made.append(rx)
+        return rx
+
+    yield start
+    for rx in made:
+        rx.stop()
+
+
+CONFIG = config_from_dict({"transport": {"bucket_mb": 8192 / 2**20, "depth": 2}, "deadlines": {"connect_s": 20, "bucket_s": 20}})
+
+
+@pytest.mark.parametrize("transport", ["zmq", "shm", "gloo"])
+def test_same_version_with_other_weights_is_a_conflict_not_a_noop(receiver: Any, transport: str) -> None:
+    gate = VersionGate()
+    rx = receiver(gate)
+    first, other = _weights(1), _weights(2)
+    changed = [n for (n, a), (_, b) in zip(first, other, strict=True) if not torch.equal(a, b)]
+    with WeightPublisher(rx.endpoint, config=CONFIG, transport=transport) as pub:
+        assert pub.publish(first, 1).ok
+        with pytest.raises(UpdateFailed) as info:
+            pub.publish(other, 1)
+        reason = info.value.reasons[rx.endpoint]
+        assert reason.startswith(f"VersionConflict: version 1 is already served with different weights ({len(changed)} of 6")
+        assert changed[0] in reason
+        assert [v for v, _ in gate.applied] == [1]  # the other weights were never applied
+
+        # one tensor changed under the same number: that one is named, and only that one
+        partial = [(n, t + 1 if n == first[3][0] else t) for n, t in first]
+        with pytest.raises(UpdateFailed) as info:
+            pub.publish(partial, 1)
+        assert f"(1 of 6 tensors differ: {first[3][0]})" in info.value.reasons[rx.endpoint]
+
+        again = pub.publish(first, 1)  # the same weights again: the no-op stands, checked by content
+        (eng,) = again.engines
+        assert eng.ok and eng.noop and eng.engine.get("content_checked") is True
+        assert "served_checksums" not in eng.engine
+
+        assert pub.publish(other, 2).ok  # under a new number the other weights go through
+    assert [v for v, _ in gate.applied] == [1, 2]
+    assert gate.applied[1][1][first[0][0]] == other[0][1].view(torch.uint8).numpy().tobytes()
+
+
+def test_a_noop_the_engine_cannot_check_stays_a_noop(receiver: Any) -> None:
+    """An engine that serves a version it did not receive over the bridge (cold-loaded, restarted) has
+    no checksums to answer with: the version number decides, as before, and the report says so."""
+    rx = receiver(VersionGate(version=5))
+    with WeightPublisher(rx.endpoint, config=CONFIG) as pub:
+        (eng,) = pub.publish(_weights(1), 5).engines
+    assert eng.ok and eng.noop and "content_checked" not in eng.engine
