@@ -45,6 +45,7 @@ _BY_EXCEPTION: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checksum", ("ChecksumError",)),
     ("nonfinite", ("NonFiniteError",)),
     ("manifest", ("ManifestError",)),
+    ("conflict", ("VersionConflict",)),
     ("version", ("VersionError",)),
     ("router", ("RouterError",)),
     ("timeout", ("DeadlineExceeded", "TimeoutError")),

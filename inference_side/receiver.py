@@ -29,7 +29,7 @@ from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
 logger = logging.getLogger(__name__)
 COLLECTIVE = ("gloo", "nccl")
-REFUSED_KEEP = 1024  # publishers whose refused update's late buckets are dropped quietly (the most recent)
+REFUSED_KEEP = 1024  # publishers remembered (the most recent): a refused update's late buckets, a checked no-op
 
 
 @dataclass
@@ -131,6 +131,14 @@ def _by_offset(specs: list[wire.TensorSpec], checksums: tuple[int, ...]) -> list
     return [checksums[i] for i in order]
 
 
+def _remember(seen: dict[bytes, int], identity: bytes, version: int) -> None:
+    """Note ``version`` for publisher ``identity``, keeping the most recent REFUSED_KEEP publishers."""
+    seen.pop(identity, None)
+    seen[identity] = version
+    while len(seen) > REFUSED_KEEP:  # a long run meets many publishers: keep the latest
+        seen.pop(next(iter(seen)))
+
+
 class SyncReceiver:
     def __init__(self, gate: EngineGate, config: BridgeConfig, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.gate = gate
@@ -141,6 +149,7 @@ class SyncReceiver:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-apply")
         self._sessions: dict[bytes, _Session] = {}
         self._refused: dict[bytes, int] = {}  # publisher -> version refused mid-transfer (its in-flight buckets are dropped)
+        self._noops: dict[bytes, int] = {}  # publisher -> version answered "already served" with its checksums
         self.endpoint = ""  # tcp://host:port
         self.ipc_endpoint = ""  # ipc://<private dir>/receiver.sock when transport.listen_ipc
         self._ipc_dir = ""
@@ -310,10 +319,7 @@ class SyncReceiver:
         session = self._sessions.pop(identity, None)
         if session is not None:
             session.close(reason)
-            self._refused.pop(identity, None)
-            self._refused[identity] = session.manifest.version
-            while len(self._refused) > REFUSED_KEEP:  # a long run meets many publishers: keep the latest
-                self._refused.pop(next(iter(self._refused)))
+            _remember(self._refused, identity, session.manifest.version)
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
         self.on_event("refused", {"version": version, "reason": reason})
 
@@ -351,6 +357,11 @@ class SyncReceiver:
             if session is not None and session.pending is None:
                 self._sessions.pop(identity).close()
                 self.on_event("aborted", {"version": msg.version, "reason": msg.reason})
+            elif session is None and self._noops.get(identity) == msg.version:
+                # the publisher found that the version answered "already served" holds other weights
+                del self._noops[identity]
+                logger.warning("version %s from %r: %s", msg.version, identity, msg.reason)
+                self.on_event("conflict", {"version": msg.version, "reason": msg.reason})
         else:
             self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
 
@@ -377,6 +388,7 @@ class SyncReceiver:
             served = self._served.lookup(manifest)
             if served is not None:  # the publisher checks its own sums against these (bridge/served.py)
                 report["served_checksums"] = served
+                _remember(self._noops, identity, manifest.version)
             self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report=report))
             return
         if manifest.checksum == "none" and self.config.sync.verify_checksums:

@@ -323,6 +323,6 @@ class InferenceServer(StreamingGate):
         return ApplyResult(ok, reason, record.to_dict() | {"ranks": reports})
 
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
-        if kind in ("refused", "timeout", "aborted"):
+        if kind in ("refused", "timeout", "aborted", "conflict"):
             self._records.append(SyncRecord(version=int(data.get("version", 0)), engine=self.name, ok=False,
                                             reason=f"{kind}: {data.get('reason', '')}"))

@@ -212,5 +212,25 @@ def test_same_version_with_other_weights_is_refused(dense: Any) -> None:
         assert ray.get(actor.version.remote()) == version
         assert generate(actor) == served
         assert ray.get(actor.read_params.remote([NORM]))[0][NORM][:4] == [1.25] * 4
+        conflict = _last_record(actor, lambda r: not r["ok"] and r["version"] == version)
+        assert conflict["reason"].startswith(f"conflict: VersionConflict: version {version} is already served"), conflict
+        records_before = len(ray.get(actor.records.remote()))  # what the metrics and the dashboard show
         (again,) = pub.publish([(NORM, norm)], version=version).engines
         assert again.noop and again.engine.get("content_checked") is True
+    records = ray.get(actor.records.remote())
+    assert len(records) == records_before, records[records_before:]  # a checked no-op records nothing
+
+
+def _last_record(actor: Any, cond: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """The engine's newest sync record once it satisfies ``cond`` (records are written by its receiver
+    thread, after the publisher has returned)."""
+    import time
+
+    import ray
+
+    end = time.monotonic() + timeout
+    while True:
+        record: dict[str, Any] = ray.get(actor.records.remote())[-1]
+        if cond(record) or time.monotonic() > end:
+            return record
+        time.sleep(0.1)

@@ -180,6 +180,7 @@ def test_engine_view_and_alerts_name_the_problem() -> None:
     ("refused: NonFiniteError: tensor w: holds NaN or Inf (policy sync.nonfinite=reject)", "nonfinite"),
     ("refused: VersionError: version 2 is older than the served version 5", "version"),
     ("version 2 is older than the served version 5", "version"),
+    ("conflict: VersionConflict: version 4 is already served with different weights (1 of 9 tensors differ: w)", "conflict"),
     ("rank 0: RouterError: w: the model's loader wrote it to no parameter of module 'm'", "router"),
     ("refused: WireError: bucket 3: 10 bytes arrived, manifest says 20 (truncated?)", "wire"),
     ("timeout: no data for 60.0s", "timeout"),

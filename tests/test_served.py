@@ -130,8 +130,8 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 def receiver() -> Iterator[Any]:
     made: list[SyncReceiver] = []
 
-    def start(gate: VersionGate) -> SyncReceiver:
-        rx = SyncReceiver(gate, CONFIG)
+    def start(gate: VersionGate, events: list[tuple[str, dict[str, Any]]] | None = None) -> SyncReceiver:
+        rx = SyncReceiver(gate, CONFIG, on_event=(lambda k, d: events.append((k, d))) if events is not None else None)
         rx.start()
         made.append(rx)
         return rx
@@ -147,7 +147,8 @@ CONFIG = config_from_dict({"transport": {"bucket_mb": 8192 / 2**20, "depth": 2},
 @pytest.mark.parametrize("transport", ["zmq", "shm", "gloo"])
 def test_same_version_with_other_weights_is_a_conflict_not_a_noop(receiver: Any, transport: str) -> None:
     gate = VersionGate()
-    rx = receiver(gate)
+    events: list[tuple[str, dict[str, Any]]] = []
+    rx = receiver(gate, events)
     first, other = _weights(1), _weights(2)
     changed = [n for (n, a), (_, b) in zip(first, other, strict=True) if not torch.equal(a, b)]
     with WeightPublisher(rx.endpoint, config=CONFIG, transport=transport) as pub:
@@ -172,6 +173,10 @@ def test_same_version_with_other_weights_is_a_conflict_not_a_noop(receiver: Any,
 
         assert pub.publish(other, 2).ok  # under a new number the other weights go through
     assert [v for v, _ in gate.applied] == [1, 2]
+    # the engine heard of both conflicts (its records, metrics and dashboard show them as failed syncs)
+    conflicts = [d for k, d in events if k == "conflict"]
+    assert [d["version"] for d in conflicts] == [1, 1], events
+    assert all(d["reason"].startswith("VersionConflict: version 1 is already served") for d in conflicts), conflicts
     assert gate.applied[1][1][first[0][0]] == other[0][1].view(torch.uint8).numpy().tobytes()
 
 

@@ -345,6 +345,7 @@ class WeightPublisher:
             if names:
                 reason = conflict_reason(manifest.version, names, len(manifest.tensors))
                 logger.error("%s: %s", peer.endpoint, reason)
+                self._send(peer, wire.Abort(version=ack.version, reason=reason))  # the engine records it
                 peer.ack = wire.Ack(version=ack.version, ok=False, reason=reason,
                                     report={**report, "noop": False, "conflicting_tensors": names})
             else:
