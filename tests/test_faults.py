@@ -301,16 +301,16 @@ def test_two_publishers_racing(engine: Any, checkpoints: Any) -> None:
     assert oks == sorted(oks) and oks[-1] == version + 2, oks
     cold2, cold3 = oracle([checkpoints("tiny", 2), checkpoints("tiny", 3)], 1, "bfloat16")
     assert_same_outputs(generate(actor), cold3)
-    # the same version from both: exactly one is applied; the other is refused or told it was a no-op
+    # the same version from both, with other weights: exactly one is applied; the other is refused, as not
+    # newer (it was staged while the first applied) or as a conflict (its manifest came after): never a no-op
     same = version + 3
     results = _race(endpoint, [(2, same), (3, same)])
     applied = [i for i, r in enumerate(results) if not isinstance(r, UpdateFailed) and not r.engines[0].noop]
     assert len(applied) == 1, results
     other = results[1 - applied[0]]
-    if isinstance(other, UpdateFailed):
-        assert "VersionError" in str(other) and f"version {same} is not newer" in str(other), other
-    else:
-        assert other.engines[0].noop and f"version {same} already served" in other.engines[0].reason
+    assert isinstance(other, UpdateFailed), other
+    assert (("VersionError" in str(other) and f"version {same} is not newer" in str(other))
+            or f"VersionConflict: version {same} is already served with different weights" in str(other)), other
     assert _served(actor) == (same, None)
     assert_same_outputs(generate(actor), [cold2, cold3][applied[0]])
 
