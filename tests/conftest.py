@@ -34,6 +34,25 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def start_receiver() -> Any:
+    """start(config, gate, events=None) -> a running SyncReceiver in this process with ``gate`` behind it
+    (``events`` collects its (kind, data) events); every one started is stopped after the test."""
+    from inference_side.receiver import SyncReceiver
+
+    made: list[Any] = []
+
+    def start(config: Any, gate: Any, events: list[tuple[str, dict[str, Any]]] | None = None) -> Any:
+        rx = SyncReceiver(gate, config, on_event=(lambda k, d: events.append((k, d))) if events is not None else None)
+        rx.start()
+        made.append(rx)
+        return rx
+
+    yield start
+    for rx in made:
+        rx.stop()
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Any:
     import ray

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from bridge import wire
 from bridge.config import BridgeConfig, config_from_dict
 from bridge.errors import DeadlineExceeded, UpdateFailed
 from inference_side import receiver as receiver_mod
-from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from inference_side.receiver import ApplyResult, StagedBucket
 from tests.rawclient import RawClient
 from trainer_side import WeightPublisher
 
@@ -46,21 +45,6 @@ class Gate:
         time.sleep(self.apply_s)
         self.applied.append(manifest.version)
         return ApplyResult(True)
-
-
-@pytest.fixture
-def start_receiver() -> Iterator[Any]:
-    made: list[SyncReceiver] = []
-
-    def start(config: BridgeConfig, gate: Gate, events: list[tuple[str, dict[str, Any]]] | None = None) -> SyncReceiver:
-        rx = SyncReceiver(gate, config, on_event=(lambda k, d: events.append((k, d))) if events is not None else None)
-        rx.start()
-        made.append(rx)
-        return rx
-
-    yield start
-    for rx in made:
-        rx.stop()
 
 
 class FakeEngine:

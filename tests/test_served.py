@@ -7,7 +7,6 @@ itself: tests/test_e2e_dense.py::test_same_version_with_other_weights_is_refused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from bridge import wire
 from bridge.config import config_from_dict
 from bridge.errors import UpdateFailed
 from bridge.served import ServedContent, conflict_reason, differing, published_sums
-from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from inference_side.receiver import ApplyResult, StagedBucket
 from trainer_side import WeightPublisher
 
 
@@ -126,29 +125,14 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"model.layers.{i}.mlp.weight", torch.randn(2048, generator=gen).to(torch.bfloat16)) for i in range(6)]
 
 
-@pytest.fixture
-def receiver() -> Iterator[Any]:
-    made: list[SyncReceiver] = []
-
-    def start(gate: VersionGate, events: list[tuple[str, dict[str, Any]]] | None = None) -> SyncReceiver:
-        rx = SyncReceiver(gate, CONFIG, on_event=(lambda k, d: events.append((k, d))) if events is not None else None)
-        rx.start()
-        made.append(rx)
-        return rx
-
-    yield start
-    for rx in made:
-        rx.stop()
-
-
 CONFIG = config_from_dict({"transport": {"bucket_mb": 8192 / 2**20, "depth": 2}, "deadlines": {"connect_s": 20, "bucket_s": 20}})
 
 
 @pytest.mark.parametrize("transport", ["zmq", "shm", "gloo"])
-def test_same_version_with_other_weights_is_a_conflict_not_a_noop(receiver: Any, transport: str) -> None:
+def test_same_version_with_other_weights_is_a_conflict_not_a_noop(start_receiver: Any, transport: str) -> None:
     gate = VersionGate()
     events: list[tuple[str, dict[str, Any]]] = []
-    rx = receiver(gate, events)
+    rx = start_receiver(CONFIG, gate, events)
     first, other = _weights(1), _weights(2)
     changed = [n for (n, a), (_, b) in zip(first, other, strict=True) if not torch.equal(a, b)]
     with WeightPublisher(rx.endpoint, config=CONFIG, transport=transport) as pub:
@@ -180,10 +164,10 @@ def test_same_version_with_other_weights_is_a_conflict_not_a_noop(receiver: Any,
     assert gate.applied[1][1][first[0][0]] == other[0][1].view(torch.uint8).numpy().tobytes()
 
 
-def test_a_noop_the_engine_cannot_check_stays_a_noop(receiver: Any) -> None:
+def test_a_noop_the_engine_cannot_check_stays_a_noop(start_receiver: Any) -> None:
     """An engine that serves a version it did not receive over the bridge (cold-loaded, restarted) has
     no checksums to answer with: the version number decides, as before, and the report says so."""
-    rx = receiver(VersionGate(version=5))
+    rx = start_receiver(CONFIG, VersionGate(version=5))
     with WeightPublisher(rx.endpoint, config=CONFIG) as pub:
         (eng,) = pub.publish(_weights(1), 5).engines
     assert eng.ok and eng.noop and "content_checked" not in eng.engine
