@@ -6,8 +6,10 @@ update by reading every tensor's bytes from the staged buckets and reports their
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import zlib
+from pathlib import Path
 from typing import Any
 
 from bridge import wire
@@ -29,6 +31,26 @@ class CrcGate:
         crc = {s.name: zlib.crc32(b.segment.buffer[s.offset : s.offset + s.nbytes]) for b in buckets for s in b.specs}
         self.version = manifest.version
         return ApplyResult(True, "", {"crc32": crc, "seconds": dict(timings)})
+
+
+def start(config: dict[str, Any], count: int = 1) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """``count`` receiver processes of this module with ``config``, and their endpoints; ``stop`` ends them."""
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "tests/recording_receiver.py", json.dumps(config)], cwd=root,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    endpoints = []
+    for p in procs:
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith("ENDPOINT "):
+            stop(procs)
+            raise RuntimeError(f"a recording receiver did not start: {line!r}")
+        endpoints.append(line.split()[1])
+    return procs, endpoints
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        p.communicate(timeout=30)  # closing stdin stops it
 
 
 def main(config_json: str) -> None:

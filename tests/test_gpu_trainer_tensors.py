@@ -14,18 +14,15 @@ come off the GPU.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import recording_receiver as recording
+
 SMALL = {"transport": {"bucket_mb": 1, "depth": 2}}
 
 
@@ -59,30 +56,14 @@ def _expected(weights: list[tuple[str, Any]]) -> dict[str, int]:
     return out
 
 
-def _start(config: dict[str, Any], count: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
-    procs = [subprocess.Popen([sys.executable, "tests/recording_receiver.py", json.dumps(config)], cwd=ROOT,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(count)]
-    endpoints = []
-    for p in procs:
-        line = p.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("ENDPOINT "), line
-        endpoints.append(line.split()[1])
-    return procs, endpoints
-
-
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        p.communicate(timeout=30)  # closing stdin stops it
-
-
 @pytest.fixture(params=["staged", "streaming"])
 def receivers(request: Any) -> Iterator[tuple[dict[str, Any], list[str]]]:
     config = {**SMALL, "sync": {"mode": request.param}}
-    procs, endpoints = _start(config, 2)
+    procs, endpoints = recording.start(config, 2)
     try:
         yield config, endpoints
     finally:
-        _stop(procs)
+        recording.stop(procs)
 
 
 @pytest.mark.gpu
@@ -126,7 +107,7 @@ def pack_speed(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
             for i in range(count)]
     cpu = [(n, t.cpu()) for n, t in cuda]
     config = {"transport": {"bucket_mb": 64, "depth": 2}, "sync": {"mode": "staged"}}
-    procs, endpoints = _start(config, 1)
+    procs, endpoints = recording.start(config, 1)
     out: dict[str, float] = {"bytes": float(count * per)}
     try:
         with WeightPublisher(endpoints, config=config_from_dict(config), transport="shm") as pub:
@@ -138,7 +119,7 @@ def pack_speed(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
                     packs.append(pub.publish(weights, version).seconds["pack"])
                 out[label] = statistics.median(packs)
     finally:
-        _stop(procs)
+        recording.stop(procs)
     return out
 
 

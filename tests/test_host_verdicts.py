@@ -5,7 +5,6 @@ their gate reports the crc32 of every tensor it read) take real updates over ZMQ
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import zlib
@@ -18,6 +17,7 @@ import torch
 from bridge import wire
 from bridge.config import config_from_dict
 from bridge.shm import Segment, verdict_path
+from tests import recording_receiver as recording
 from tests.rawclient import RawClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,19 +98,11 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 @pytest.fixture(params=[True, False], ids=["once-per-host", "every-receiver"])
 def receivers(request: Any) -> Any:
     """Three receiver processes on this host, verifying once per host or each on its own."""
-    config = json.dumps({**SMALL, "sync": {"verify_once_per_host": request.param}})
-    procs = [subprocess.Popen([sys.executable, "tests/recording_receiver.py", config], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    procs, endpoints = recording.start({**SMALL, "sync": {"verify_once_per_host": request.param}}, 3)
     try:
-        endpoints = []
-        for p in procs:
-            line = p.stdout.readline()  # type: ignore[union-attr]
-            assert line.startswith("ENDPOINT "), line
-            endpoints.append(line.split()[1])
         yield request.param, endpoints
     finally:
-        for p in procs:
-            p.communicate(timeout=30)  # closing stdin stops it
+        recording.stop(procs)
 
 
 def test_receivers_on_one_host_verify_each_shm_bucket_once(receivers: Any) -> None:

@@ -16,11 +16,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bridge.shm import SHM_DIR, Segment, pid_namespace, sweep_orphans
+from tests import recording_receiver as recording
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"transport": {"bucket_mb": 1, "depth": 2}}
@@ -93,14 +93,6 @@ def test_sweep_removes_exactly_the_segments_of_dead_makers(strays: list[Path]) -
     assert _files(live_names) == []  # the live maker unlinked its own when it ended
 
 
-def _receiver(config: dict[str, Any]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "tests/recording_receiver.py", json.dumps(config)], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # type: ignore[union-attr]
-    assert line.startswith("ENDPOINT "), line
-    return proc, line.split()[1]
-
-
 TRAINER = """
 import json, sys, torch
 from bridge.config import config_from_dict
@@ -120,7 +112,7 @@ def test_a_new_publisher_sweeps_what_a_sigkilled_trainer_left() -> None:
     from bridge.config import config_from_dict
     from trainer_side import WeightPublisher
 
-    receiver, endpoint = _receiver(SMALL)
+    receivers, (endpoint,) = recording.start(SMALL)
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, endpoint, json.dumps(SMALL)], cwd=ROOT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -143,4 +135,4 @@ def test_a_new_publisher_sweeps_what_a_sigkilled_trainer_left() -> None:
     finally:
         if trainer.poll() is None:
             trainer.kill()
-        receiver.communicate(timeout=30)
+        recording.stop(receivers)
