@@ -7,6 +7,7 @@ itself: tests/test_e2e_dense.py::test_same_version_with_other_weights_is_refused
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -171,3 +172,30 @@ def test_a_noop_the_engine_cannot_check_stays_a_noop(start_receiver: Any) -> Non
     with WeightPublisher(rx.endpoint, config=CONFIG) as pub:
         (eng,) = pub.publish(_weights(1), 5).engines
     assert eng.ok and eng.noop and "content_checked" not in eng.engine
+
+
+def test_a_relay_passes_the_conflict_on(start_receiver: Any) -> None:
+    """Behind a host-local relay (which takes every update and forwards it), the engines' checked no-op
+    is compared with the relay's staged checksums: the conflict reaches the trainer and both engines."""
+    from inference_side.relay import Relay
+
+    gates = [VersionGate(), VersionGate()]
+    events: list[tuple[str, dict[str, Any]]] = []
+    endpoints = [start_receiver(CONFIG, g, events).endpoint for g in gates]
+    relay = Relay(endpoints, CONFIG, name="relay-conflict")
+    try:
+        with WeightPublisher(relay.endpoint(), config=CONFIG, transport="zmq") as pub:
+            assert pub.publish(_weights(1), 1).ok
+            with pytest.raises(UpdateFailed) as info:
+                pub.publish(_weights(2), 1)
+    finally:
+        relay.shutdown()
+    message = str(info.value)
+    assert all(f"{ep}: VersionConflict: version 1 is already served with different weights" in message
+               for ep in endpoints), message
+    assert [[v for v, _ in g.applied] for g in gates] == [[1], [1]]
+    deadline = time.monotonic() + 10  # each receiver records the relay's Abort on its own thread
+    while len([k for k, _ in events if k == "conflict"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(d["version"] for k, d in events if k == "conflict") == [1, 1], events
+
