@@ -49,13 +49,17 @@ class ServedContent:
             return None
 
 
+def bucket_sums(specs: Sequence[wire.TensorSpec], checksums: Sequence[int]) -> dict[str, int]:
+    """Tensor name -> checksum for one bucket, from its header's checksums (in the manifest's order); empty
+    when the bucket was sent without them."""
+    return dict(zip((s.name for s in specs), checksums, strict=True)) if len(checksums) == len(specs) else {}
+
+
 def published_sums(manifest: wire.Manifest, per_bucket: Mapping[int, Sequence[int]]) -> dict[str, int]:
-    """Tensor name -> checksum, from each bucket's header checksums (in the manifest's order per bucket)."""
+    """Tensor name -> checksum over every bucket of ``manifest`` (``per_bucket``: each one's checksums)."""
     out: dict[str, int] = {}
     for index, specs in enumerate(manifest.by_bucket()):
-        sums = per_bucket.get(index, ())
-        if len(sums) == len(specs):
-            out.update(zip((s.name for s in specs), sums, strict=True))
+        out.update(bucket_sums(specs, per_bucket.get(index, ())))
     return out
 
 

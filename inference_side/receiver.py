@@ -23,7 +23,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
 from bridge.host_verdicts import verdict_key, verify_once
-from bridge.served import ServedContent
+from bridge.served import ServedContent, bucket_sums
 from bridge.shm import AttachCache, Segment, SegmentPool, sweep_orphans
 from inference_side.collective_inbox import CollectiveInbox, PendingRecv
 
@@ -456,8 +456,7 @@ class SyncReceiver:
         m = session.manifest
         specs = m.by_bucket()[index]
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
-        if len(checksums) == len(specs):
-            session.sums.update(zip((s.name for s in specs), checksums, strict=True))
+        session.sums.update(bucket_sums(specs, checksums))
         session.bytes_in += m.bucket_sizes[index]
         try:
             scfg = self.config.sync
