@@ -10,6 +10,10 @@ from inference_side.server import InferenceServer, resolve_config
 
 
 class BenchServer(InferenceServer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("worker_extension_cls", "bench.worker.BaselineWorker")
+        super().__init__(*args, **kwargs)
+
     def set_config(self, config: dict[str, Any]) -> None:
         """Switch sync settings (e.g. ``sync.mode``) between measurements without a restart."""
         self.config = resolve_config(config)
@@ -17,7 +21,7 @@ class BenchServer(InferenceServer):
 
     def baseline_a_reload(self, path: str) -> float:
         """Baseline A's second half: vLLM's ``reload_weights(weights_path=...)`` on every worker."""
-        with self._lock:
+        with self._serving():
             t0 = time.perf_counter()
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
             seconds = time.perf_counter() - t0
@@ -26,7 +30,7 @@ class BenchServer(InferenceServer):
 
     def baseline_b(self, seed: int) -> float:
         """Baseline B: in-process ``reload_weights`` from tensors already in each worker (slowest rank)."""
-        with self._lock:
+        with self._serving():
             reports = self.llm.collective_rpc("wb_baseline_reload", args=(seed,))
             self.llm.reset_prefix_cache()
         return max(float(r["seconds"]) for r in reports)

@@ -2,62 +2,105 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from bridge.report import FailureKind
+
 
 class BridgeError(Exception):
     """Base class of every weight-bridge error."""
+
+    kind: ClassVar[FailureKind] = FailureKind.OTHER
 
 
 class ConfigError(BridgeError):
     """A configuration file or value is invalid."""
 
+    kind: ClassVar[FailureKind] = FailureKind.OTHER
+
 
 class WireError(BridgeError):
     """A message on the wire is malformed, truncated or of an unknown protocol."""
+
+    kind: ClassVar[FailureKind] = FailureKind.WIRE
 
 
 class ManifestError(WireError):
     """A manifest does not match the engine (unknown name, duplicate, shape, dtype, layout)."""
 
+    kind: ClassVar[FailureKind] = FailureKind.MANIFEST
+
 
 class ChecksumError(WireError):
     """A tensor's bytes do not match the checksum in the manifest."""
+
+    kind: ClassVar[FailureKind] = FailureKind.CHECKSUM
 
 
 class NonFiniteError(WireError):
     """A tensor holds NaN or Inf and the policy rejects it."""
 
+    kind: ClassVar[FailureKind] = FailureKind.NONFINITE
+
 
 class TransportError(BridgeError):
     """A transport failed to connect, send or receive."""
+
+    kind: ClassVar[FailureKind] = FailureKind.TRANSPORT
 
 
 class DeadlineExceeded(TransportError):
     """A phase of a sync did not finish within its configured deadline."""
 
+    kind: ClassVar[FailureKind] = FailureKind.TIMEOUT
+
 
 class VersionError(BridgeError):
     """A weight version is older than the one the engine serves."""
+
+    kind: ClassVar[FailureKind] = FailureKind.VERSION
 
 
 class VersionConflict(VersionError):
     """A version the engine already serves was published again with different weights."""
 
+    kind: ClassVar[FailureKind] = FailureKind.CONFLICT
+
 
 class AuditError(BridgeError):
     """A tensor the trainer sent did not reach the live storage the kernels read."""
+
+    kind: ClassVar[FailureKind] = FailureKind.STALE
+
+    def __init__(self, message: str, tensors: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(message)
+        self.tensors: tuple[str, ...] = tuple(tensors)
 
 
 class IdentityError(BridgeError):
     """A parameter, buffer or backend alias changed storage during an update."""
 
+    kind: ClassVar[FailureKind] = FailureKind.IDENTITY
+
+    def __init__(self, message: str, violations: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(message)
+        self.violations: tuple[str, ...] = tuple(violations)
+
 
 class RouterError(BridgeError):
     """A tensor cannot be routed to its parameter (for example heads not divisible by TP)."""
 
+    kind: ClassVar[FailureKind] = FailureKind.ROUTER
+
 
 class UpdateFailed(BridgeError):
-    """A sync failed on one or more engines. `reasons` maps each failing endpoint to its reason."""
+    """A sync failed on one or more engines. ``reasons`` maps each failing endpoint to its reason (for
+    people), ``kinds`` to its FailureKind (for code)."""
 
-    def __init__(self, message: str, reasons: dict[str, str] | None = None) -> None:
+    kind: ClassVar[FailureKind] = FailureKind.OTHER
+
+    def __init__(self, message: str, reasons: dict[str, str] | None = None,
+                 kinds: dict[str, FailureKind] | None = None) -> None:
         super().__init__(message)
         self.reasons: dict[str, str] = dict(reasons or {})
+        self.kinds: dict[str, FailureKind] = dict(kinds or {})

@@ -15,6 +15,7 @@ class SyncRecord:
     engine: str
     ok: bool
     reason: str = ""
+    kind: str = ""  # a failure's bridge.report.FailureKind value; empty when ok
     bytes: int = 0
     tensors: int = 0
     seconds: dict[str, float] = field(default_factory=dict)

@@ -15,6 +15,7 @@ import msgpack
 
 from bridge import PROTOCOL_VERSION, checksums
 from bridge.errors import ManifestError, WireError
+from bridge.transports import COLLECTIVE
 
 # dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
 DTYPE_SIZES: dict[str, int] = {
@@ -309,12 +310,14 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Ack:
-    """The end of one sync on one engine: applied (ok) or refused, with the engine's report."""
+    """The end of one sync on one engine: applied (ok) or refused, with the engine's report. A refusal
+    carries ``kind``, a ``bridge.report.FailureKind`` value (empty when ok)."""
 
     version: int
     ok: bool
     reason: str = ""
     report: dict[str, Any] = field(default_factory=dict)
+    kind: str = ""
     type: str = field(default="ack", init=False)
 
 
@@ -383,7 +386,7 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
             )
         if kind == "link":
             backend = _str(raw.get("backend"), "link.backend", 16)
-            _require(backend in ("gloo", "nccl"), f"link.backend must be gloo or nccl, got {_brief(backend)}")
+            _require(backend in COLLECTIVE, f"link.backend must be {' or '.join(COLLECTIVE)}, got {_brief(backend)}")
             world = _int(raw.get("world"), "link.world", 2, 1 << 16)
             return LinkOffer(
                 link=_str(raw.get("link"), "link.link", 64),
@@ -412,6 +415,7 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
                 ok=bool(raw.get("ok")),
                 reason=_str(raw.get("reason", ""), "reason", 1 << 20),
                 report=report,
+                kind=_str(raw.get("kind", ""), "kind", 32),
             )
     except (TypeError, KeyError, AttributeError) as exc:
         raise WireError(f"malformed {kind} message: {exc}") from exc

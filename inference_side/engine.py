@@ -30,14 +30,17 @@ def apply_cpu_defaults(tp_size: int) -> None:
 
 
 def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dict[str, Any]) -> Any:
+    """A ``vllm.LLM`` with the weight-sync worker extension (``llm_kwargs["worker_extension_cls"]`` may name a
+    subclass of it) and this machine's CPU defaults; ``llm_kwargs`` override the defaults."""
     from vllm import LLM
     from vllm.platforms import current_platform
 
-    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 8}
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "max_model_len": 256, "max_num_seqs": 8,
+                              "worker_extension_cls": WORKER_EXTENSION}
     if current_platform.is_cpu():
         apply_cpu_defaults(tensor_parallel_size)
         kwargs["enforce_eager"] = True
     kwargs.update(llm_kwargs)
     logger.info("starting vLLM engine for %s (tp=%s, dtype=%s)", model, tensor_parallel_size, dtype)
     return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,  # type: ignore[arg-type]
-               worker_extension_cls=WORKER_EXTENSION, **kwargs)
+               **kwargs)

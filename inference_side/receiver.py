@@ -1,8 +1,11 @@
-"""The inference-side endpoint: a ZMQ ROUTER that takes updates from publishers, stages and verifies
-every bucket in shared memory, and hands complete updates to the engine gate.
+"""The inference-side endpoint: a ZMQ ROUTER that takes updates from publishers, lands and verifies every
+bucket in shared memory, and drives the engine behind it through the lifecycle of
+inference_side/contract.py.
 
-One thread owns the socket (ZMQ sockets are not thread-safe); applying runs on a second thread so
-heartbeats keep flowing while the engine loads.
+One thread owns the socket (ZMQ sockets are not thread-safe); the engine's calls run in order on a second
+thread, so heartbeats keep flowing while the engine loads. Each transport's receiving end (a
+``bridge.transports`` land plane) turns what arrived into a segment; the receiver never branches on the
+transport.
 """
 
 from __future__ import annotations
@@ -14,129 +17,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from bridge import wire
 from bridge.config import BridgeConfig
-from bridge.errors import BridgeError, ChecksumError, NonFiniteError, WireError
-from bridge.finite import all_finite
+from bridge.errors import BridgeError, WireError
 from bridge.host_verdicts import verdict_key, verify_once
+from bridge.report import ApplyResult, FailureKind, describe, kind_of
 from bridge.served import ServedContent, bucket_sums
-from bridge.shm import AttachCache, Segment, SegmentPool, sweep_orphans
-from inference_side.collective_inbox import CollectiveInbox, PendingRecv
+from bridge.shm import Segment, SegmentPool, sweep_orphans
+from bridge.transports import land_plane
+from bridge.transports.base import Landed, LandPlane
+from inference_side.contract import EngineGate, StagedBucket
+from inference_side.session import Session, remember
+from inference_side.verify import verify_bucket
 
 logger = logging.getLogger(__name__)
-COLLECTIVE = ("gloo", "nccl")
-REFUSED_KEEP = 1024  # publishers remembered (the most recent): a refused update's late buckets, a checked no-op
-
-
-@dataclass
-class StagedBucket:
-    index: int
-    segment: Segment
-    specs: list[wire.TensorSpec]
-    checksums: tuple[int, ...] = ()  # as the bucket's header gave them (a relay forwards them)
-
-
-@dataclass(frozen=True)
-class ApplyResult:
-    ok: bool
-    reason: str = ""
-    report: dict[str, Any] = field(default_factory=dict)
-
-
-class EngineGate(Protocol):
-    def info(self) -> wire.EngineInfo: ...
-    def validate(self, manifest: wire.Manifest) -> str | None:
-        """Raise on a manifest the engine cannot take; return a no-op reason if already served."""
-    def apply(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult: ...
-
-
-@dataclass
-class _Session:
-    identity: bytes
-    manifest: wire.Manifest
-    started: float
-    last_seen: float
-    buckets: dict[int, StagedBucket] = field(default_factory=dict)
-    pending: Future[ApplyResult] | None = None
-    apply_started: float = 0.0
-    overdue: bool = False  # the publisher was told the apply deadline passed; no second ack
-    last_ping: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
-    bytes_in: int = 0
-    # streaming mode (sync.mode=streaming): buckets are loaded as they arrive, in order, on the apply
-    # thread; a bucket's credit goes back once it is loaded, so at most ``depth`` are held here
-    loads: list[tuple[int, Future[str]]] = field(default_factory=list)
-    loaded: set[int] = field(default_factory=set)
-    on_abort: Callable[[str], None] | None = None  # set while a streaming load is open in the engine
-    lent: list[Segment] = field(default_factory=list)  # loaded receive segments a worker may still map
-    spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
-    ended: wire.End | None = None  # End arrived while collective receives were still in flight
-    checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still arriving
-    unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
-    verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
-    sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
-
-    def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
-        """End the session; with ``pool``, receive segments no worker can still map go back to it."""
-        idle = self.on_abort is None and all(f.done() for _, f in self.loads) and (self.pending is None or self.pending.done())
-        for seg in [b.segment for b in self.buckets.values()] + self.lent:
-            if pool is not None and idle and seg.owner:
-                pool.give(seg)
-            else:
-                seg.close()
-        for seg in self.spare:  # not mapped by any worker (see SyncReceiver._stream_segment)
-            pool.give(seg) if pool is not None else seg.close()
-        self.buckets.clear()
-        self.lent.clear()
-        self.spare.clear()
-        abort, self.on_abort = self.on_abort, None
-        if abort is not None:
-            abort(reason)
-
-
-def verify_bucket(view: memoryview, specs: list[wire.TensorSpec], checksums: tuple[int, ...], nonfinite: str,
-                  checksum: str = "crc32") -> None:
-    """Checksums (algorithm ``checksum``; ``none``: not checked) of every tensor in a bucket and, under the
-    reject policy, finiteness of floats. Both read a float tensor in one pass, chunk by chunk; a checksum
-    mismatch is reported before a non-finite value (corruption on the way explains both)."""
-    from bridge.checksums import function, running
-
-    crc, fresh = (None, None) if checksum == "none" else (function(checksum), running(checksum))
-    if len(checksums) != len(specs):
-        raise WireError(f"bucket {specs[0].bucket if specs else '?'}: {len(checksums)} checksums for {len(specs)} tensors")
-    for spec, expected in zip(sorted(specs, key=lambda s: s.offset), _by_offset(specs, checksums), strict=True):
-        floats = nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes > 0
-        finite = True
-        if crc is None or fresh is None:
-            got = expected
-            finite = not floats or all_finite(view, spec.dtype, spec.offset, spec.nbytes)
-        elif floats and spec.offset + spec.nbytes <= view.nbytes:  # (a truncated one fails its checksum below)
-            hasher = fresh()
-            finite = all_finite(view, spec.dtype, spec.offset, spec.nbytes, visit=hasher.update)
-            got = hasher.intdigest()
-        else:
-            got = crc(view[spec.offset : spec.offset + spec.nbytes])
-        if got != expected:
-            raise ChecksumError(f"tensor {spec.name}: checksum mismatch (got {got:#010x}, manifest says {expected:#010x})")
-        if not finite:
-            raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
-
-
-def _by_offset(specs: list[wire.TensorSpec], checksums: tuple[int, ...]) -> list[int]:
-    order = sorted(range(len(specs)), key=lambda i: specs[i].offset)
-    return [checksums[i] for i in order]
-
-
-def _remember(seen: dict[bytes, int], identity: bytes, version: int) -> None:
-    """Note ``version`` for publisher ``identity``, keeping the most recent REFUSED_KEEP publishers."""
-    seen.pop(identity, None)
-    seen[identity] = version
-    while len(seen) > REFUSED_KEEP:  # a long run meets many publishers: keep the latest
-        seen.pop(next(iter(seen)))
 
 
 class SyncReceiver:
@@ -147,7 +44,7 @@ class SyncReceiver:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-apply")
-        self._sessions: dict[bytes, _Session] = {}
+        self._sessions: dict[bytes, Session] = {}
         self._refused: dict[bytes, int] = {}  # publisher -> version refused mid-transfer (its in-flight buckets are dropped)
         self._noops: dict[bytes, int] = {}  # publisher -> version answered "already served" with its checksums
         self.endpoint = ""  # tcp://host:port
@@ -156,10 +53,8 @@ class SyncReceiver:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
-        self._attached = AttachCache()  # publishers' shm segments, mapped once (transport shm)
-        self._pruned = 0.0
         self._served = ServedContent()  # checksums of what the engine serves (answers a re-sent version)
-        self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s, config.transport.bind_host)
+        self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -188,49 +83,44 @@ class SyncReceiver:
                  "bytes": s.bytes_in, "applying": s.pending is not None}
                 for s in list(self._sessions.values())]
 
-    # ---- streaming mode ------------------------------------------------------------------------
-    def _streaming(self) -> bool:
-        return self.config.sync.mode == "streaming" and hasattr(self.gate, "stream_begin")
+    # ---- the engine's lifecycle (inference_side/contract.py), on the apply thread ----------------
+    def _plane(self, kind: str) -> LandPlane:
+        plane = self._planes.get(kind)
+        if plane is None:
+            plane = self._planes[kind] = land_plane(kind, self.config)
+        return plane
 
-    def _stream_begin(self, session: _Session) -> None:
-        gate: Any = self.gate
-        manifest = session.manifest
-        self._executor.submit(gate.stream_begin, manifest)
+    def _open(self, session: Session) -> None:
+        """Streaming: open the update in the engine now; until it finishes, closing the session aborts it."""
+        gate, manifest = self.gate, session.manifest
+        self._executor.submit(gate.begin, manifest)
 
         def abort(reason: str) -> None:
-            self._executor.submit(gate.stream_abort, manifest, reason)
+            self._executor.submit(gate.abort, manifest, reason)
 
         session.on_abort = abort
 
-    def _stream_load(self, session: _Session, bucket: StagedBucket) -> None:
-        gate: Any = self.gate
-        session.loads.append((bucket.index, self._executor.submit(gate.stream_load, session.manifest, bucket)))
+    def _apply_staged(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult:
+        """Staged: every bucket arrived and was verified; now the same calls a streaming update makes."""
+        self.gate.begin(manifest)
+        for bucket in buckets:
+            if self.gate.load(manifest, bucket).error:
+                break  # finish reports the failure
+        return self.gate.finish(manifest, timings)
 
-    def _stream_segment(self, session: _Session, size: int) -> Segment:
-        """A receive segment for the next bucket: a spare one that no worker maps any more (its pages are
-        already faulted in), or a new one."""
-        held: frozenset[str] = getattr(self.gate, "stream_held", frozenset)()
-        for seg in [s for s in session.lent if s.name not in held]:
-            session.lent.remove(seg)
-            session.spare.append(seg)
-        fits = [s for s in session.spare if s.size >= size]
-        if fits:
-            seg = min(fits, key=lambda s: s.size)
-            session.spare.remove(seg)
-            return seg
-        return self._pool.take(size)
-
-    def _stream_progress(self, sock: Any, session: _Session) -> bool:
-        """Credit back every bucket loaded so far, in order, and free its staging; on a failed load,
-        refuse the update. True when the session was ended."""
+    def _progress(self, sock: Any, session: Session) -> bool:
+        """Streaming: credit back every bucket loaded so far, in order, and free its staging; on a failed
+        load, refuse the update. True when the session was ended."""
         while session.loads and session.loads[0][1].done():
             index, fut = session.loads.pop(0)
             try:
-                error = fut.result()
+                result = fut.result()
             except BaseException as exc:  # noqa: BLE001 - report whatever broke the load
-                error = f"{type(exc).__name__}: {exc}"
-            if error:
-                self._fail(sock, session.identity, session.manifest.version, error)
+                self._fail(sock, session.identity, session.manifest.version, kind_of(exc), describe(exc))
+                return True
+            session.held = result.held
+            if result.error:
+                self._fail(sock, session.identity, session.manifest.version, result.kind or FailureKind.OTHER, result.error)
                 return True
             bucket = session.buckets.pop(index, None)
             if bucket is not None:
@@ -242,16 +132,8 @@ class SyncReceiver:
             session.loaded.add(index)
             if session.pending is None:
                 self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=1,
-                                                               released=self._released(session)))
+                                                               released=session.released()))
         return False
-
-    def _released(self, session: _Session) -> tuple[int, ...]:
-        """Loaded shm buckets whose segment no worker maps any more, not yet told to the publisher."""
-        held: frozenset[str] = getattr(self.gate, "stream_held", frozenset)()
-        released = tuple(i for i, name in session.unreleased.items() if name not in held)
-        for index in released:
-            del session.unreleased[index]
-        return released
 
     # ---- loop --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -283,19 +165,22 @@ class SyncReceiver:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                busy = self._inbox.busy or any(s.loads or s.pending for s in self._sessions.values())
-                if poller.poll(1 if self._inbox.busy else 2 if busy else 50):
+                landing = any(p.busy for p in self._planes.values())
+                busy = landing or any(s.loads or s.pending for s in self._sessions.values())
+                if poller.poll(1 if landing else 2 if busy else 50):
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._handle(sock, frames)
-                done = self._inbox.poll()
-                for recv in done:
-                    self._received(sock, recv)
-                for identity in {recv.identity for recv in done}:
-                    self._ended(sock, identity)
+                for plane in list(self._planes.values()):
+                    done = plane.poll()
+                    for landed in done:
+                        self._landed(sock, landed)
+                    for identity in {landed.identity for landed in done}:
+                        self._ended(sock, identity)
+                    plane.tick()
                 self._tick(sock)
         finally:
             for session in self._sessions.values():
@@ -304,9 +189,9 @@ class SyncReceiver:
                 if session.pending is not None:
                     session.pending.cancel()
                 session.close("the receiver is stopping")  # a streaming load open in the engine is aborted
-            self._inbox.close()
+            for plane in self._planes.values():
+                plane.close()
             self._pool.close()
-            self._attached.close()
             sock.close(0)
             if self._ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -314,14 +199,19 @@ class SyncReceiver:
     def _send(self, sock: Any, identity: bytes, msg: wire.Message) -> None:
         sock.send_multipart([identity, wire.encode(msg)])
 
-    def _fail(self, sock: Any, identity: bytes, version: int, reason: str) -> None:
+    def _fail(self, sock: Any, identity: bytes, version: int, kind: FailureKind, reason: str) -> None:
+        """Refuse ``identity``'s update: its session ends (the engine's open update aborted), the publisher
+        gets a failed Ack with ``kind`` and ``reason``."""
         logger.warning("update v%s from %r refused: %s", version, identity, reason)
         session = self._sessions.pop(identity, None)
         if session is not None:
             session.close(reason)
-            _remember(self._refused, identity, session.manifest.version)
-        self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
-        self.on_event("refused", {"version": version, "reason": reason})
+            remember(self._refused, identity, session.manifest.version)
+        self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason, kind=kind.value))
+        self.on_event("refused", {"version": version, "reason": reason, "kind": kind.value})
+
+    def _refuse(self, sock: Any, identity: bytes, version: int, exc: BaseException) -> None:
+        self._fail(sock, identity, version, kind_of(exc), describe(exc))
 
     def _handle(self, sock: Any, frames: list[Any]) -> None:
         identity = bytes(frames[0].buffer)
@@ -332,23 +222,24 @@ class SyncReceiver:
             msg = wire.decode(frames[1].buffer, max_bytes=scfg.max_header_bytes, max_tensors=scfg.max_tensors)
         except WireError as exc:
             session = self._sessions.get(identity)
-            self._fail(sock, identity, session.manifest.version if session else 0, f"{type(exc).__name__}: {exc}")
+            self._refuse(sock, identity, session.manifest.version if session else 0, exc)
             return
         session = self._sessions.get(identity)
         if session is not None:
             session.last_seen = time.monotonic()
         if isinstance(msg, wire.Hello):
             if msg.protocol != wire.PROTOCOL_VERSION:
-                self._fail(sock, identity, 0, f"unknown protocol version {msg.protocol} (this receiver speaks {wire.PROTOCOL_VERSION})")
+                self._fail(sock, identity, 0, FailureKind.WIRE,
+                           f"unknown protocol version {msg.protocol} (this receiver speaks {wire.PROTOCOL_VERSION})")
                 return
             self._send(sock, identity, self.gate.info())
         elif isinstance(msg, wire.Begin):
             self._begin(sock, identity, msg.manifest)
         elif isinstance(msg, wire.LinkOffer):
             try:
-                self._inbox.offer(identity, msg)
+                self._plane(msg.backend).offer(identity, msg)
             except BridgeError as exc:
-                self._fail(sock, identity, 0, f"{type(exc).__name__}: {exc}")
+                self._refuse(sock, identity, 0, exc)
         elif isinstance(msg, wire.BucketHeader):
             self._bucket(sock, identity, msg, frames[2:])
         elif isinstance(msg, wire.End):
@@ -356,16 +247,16 @@ class SyncReceiver:
         elif isinstance(msg, wire.Abort):
             if session is not None and session.pending is None:
                 self._sessions.pop(identity).close()
-                self.on_event("aborted", {"version": msg.version, "reason": msg.reason})
+                self.on_event("aborted", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.ABORTED.value})
             elif session is None and self._noops.get(identity) == msg.version:
                 # the publisher found that the version answered "already served" holds other weights
                 del self._noops[identity]
                 logger.warning("version %s from %r: %s", msg.version, identity, msg.reason)
-                self.on_event("conflict", {"version": msg.version, "reason": msg.reason})
+                self.on_event("conflict", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.CONFLICT.value})
         else:
-            self._fail(sock, identity, 0, f"unexpected message {msg.type!r} from a publisher")
+            self._fail(sock, identity, 0, FailureKind.WIRE, f"unexpected message {msg.type!r} from a publisher")
 
-    def _late(self, session: _Session | None, identity: bytes, version: int, what: str) -> bool:
+    def _late(self, session: Session | None, identity: bytes, version: int, what: str) -> bool:
         """A bucket or End the publisher sent before it heard this update was refused: drop it quietly,
         so the refusal it already has (the cause) is the only answer."""
         if session is None and self._refused.get(identity) == version:
@@ -381,31 +272,32 @@ class SyncReceiver:
         try:
             noop = self.gate.validate(manifest)
         except BridgeError as exc:
-            self._fail(sock, identity, manifest.version, f"{type(exc).__name__}: {exc}")
+            self._refuse(sock, identity, manifest.version, exc)
             return
         if noop:
             report: dict[str, Any] = {"noop": True}
             served = self._served.lookup(manifest)
             if served is not None:  # the publisher checks its own sums against these (bridge/served.py)
                 report["served_checksums"] = served
-                _remember(self._noops, identity, manifest.version)
+                remember(self._noops, identity, manifest.version)
             self._send(sock, identity, wire.Ack(version=manifest.version, ok=True, reason=noop, report=report))
             return
         if manifest.checksum == "none" and self.config.sync.verify_checksums:
-            self._fail(sock, identity, manifest.version, "WireError: the publisher sends no checksums (its sync.checksum is "
-                       "none) and this engine verifies them (sync.verify_checksums: true)")
+            self._fail(sock, identity, manifest.version, FailureKind.WIRE, "WireError: the publisher sends no checksums (its "
+                       "sync.checksum is none) and this engine verifies them (sync.verify_checksums: true)")
             return
-        if manifest.transport in COLLECTIVE:
-            if not self._inbox.has_link(identity):
-                self._fail(sock, identity, manifest.version, f"TransportError: transport {manifest.transport} needs a collective "
-                           "link, and this publisher offered none (or it was dropped after a failure)")
-                return
+        try:
+            self._plane(manifest.transport).begin(identity)
+        except BridgeError as exc:
+            self._refuse(sock, identity, manifest.version, exc)
+            return
         now = time.monotonic()
         # keep at most one update's worth between updates (nothing with sync.keep_receive_buffers: false)
         self._pool.trim(sum(manifest.bucket_sizes) if self.config.sync.keep_receive_buffers else 0)
-        session = self._sessions[identity] = _Session(identity, manifest, started=now, last_seen=now)
-        if self._streaming():
-            self._stream_begin(session)
+        session = self._sessions[identity] = Session(identity, manifest, started=now, last_seen=now,
+                                                     streaming=self.config.sync.mode == "streaming")
+        if session.streaming:
+            self._open(session)
         self._send(sock, identity, wire.Credit(version=manifest.version, n=self.config.transport.depth))
 
     def _bucket(self, sock: Any, identity: bytes, header: wire.BucketHeader, payload: list[Any]) -> None:
@@ -413,43 +305,27 @@ class SyncReceiver:
         if self._late(session, identity, header.version, f"bucket {header.index}"):
             return
         if session is None:
-            self._fail(sock, identity, header.version, f"bucket {header.index} arrived outside an update")
+            self._fail(sock, identity, header.version, FailureKind.WIRE, f"bucket {header.index} arrived outside an update")
             return
         m = session.manifest
         if header.version != m.version or header.index >= len(m.bucket_sizes) or header.index in session.buckets:
-            self._fail(sock, identity, m.version, f"unexpected bucket {header.index} of version {header.version}")
+            self._fail(sock, identity, m.version, FailureKind.WIRE, f"unexpected bucket {header.index} of version {header.version}")
             return
         size = m.bucket_sizes[header.index]
         t0 = time.perf_counter()
         try:
-            if header.segment:
-                if m.transport != "shm":
-                    raise WireError("bucket names a shared-memory segment but the manifest's transport is not shm")
-                segment = self._attached.attach(header.segment, size)
-            elif m.transport in COLLECTIVE:
-                if payload:
-                    raise WireError(f"bucket {header.index}: bytes arrived as a ZMQ frame, but the transport is {m.transport}")
-                segment = self._stream_segment(session, size) if session.on_abort is not None else self._pool.take(size)
-                try:
-                    self._inbox.post(identity, m.version, header.index, segment, size)
-                except BridgeError:
-                    segment.close()
-                    raise
-                session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
-                session.checksums[header.index] = header.checksums
-                return
-            else:
-                if len(payload) != 1 or len(payload[0].buffer) != size:
-                    got = len(payload[0].buffer) if payload else 0
-                    raise WireError(f"bucket {header.index}: {got} bytes arrived, manifest says {size} (truncated?)")
-                segment = self._stream_segment(session, size) if session.on_abort is not None else self._pool.take(size)
-                segment.buffer[:size] = payload[0].buffer
+            segment = self._plane(m.transport).land(identity, m.version, header, payload, size,
+                                                    lambda n: session.receive_segment(n, self._pool))
         except BridgeError as exc:
-            self._fail(sock, identity, m.version, f"{type(exc).__name__}: {exc}")
+            self._refuse(sock, identity, m.version, exc)
+            return
+        if segment is None:  # landing in the background: staged from _landed
+            session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
+            session.checksums[header.index] = header.checksums
             return
         self._staged(sock, session, header.index, segment, header.checksums, t0, header.token if header.segment else "")
 
-    def _staged(self, sock: Any, session: _Session, index: int, segment: Segment, checksums: tuple[int, ...], t0: float,
+    def _staged(self, sock: Any, session: Session, index: int, segment: Segment, checksums: tuple[int, ...], t0: float,
                 token: str = "") -> None:
         """Bucket ``index`` lies complete in ``segment``: verify it (once per host for a publisher's shm
         segment sent under ``token``), then load it (streaming) or credit it back."""
@@ -475,66 +351,65 @@ class SyncReceiver:
                 else:
                     check()
         except BridgeError as exc:
-            self._fail(sock, session.identity, m.version, f"{type(exc).__name__}: {exc}")
+            self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
-        if session.on_abort is not None:
-            self._stream_load(session, session.buckets[index])
+        if session.streaming:
+            session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
             return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
 
-    # ---- collective data plane -----------------------------------------------------------------
-    def _received(self, sock: Any, recv: PendingRecv) -> None:
-        """A collective receive finished: stage its bucket, or drop it when its update is gone."""
-        session = self._sessions.get(recv.identity)
-        if session is None or session.manifest.version != recv.version:
-            recv.segment.close()
+    def _landed(self, sock: Any, landed: Landed) -> None:
+        """A bucket finished landing in the background: stage it, or drop it when its update is gone."""
+        session = self._sessions.get(landed.identity)
+        if session is None or session.manifest.version != landed.version:
+            landed.segment.close()
             return
-        if recv.error:
-            recv.segment.close()
-            self._fail(sock, recv.identity, recv.version, f"TransportError: {recv.error}")
+        if landed.error:
+            landed.segment.close()
+            self._fail(sock, landed.identity, landed.version, FailureKind.TRANSPORT, f"TransportError: {landed.error}")
             return
-        self._staged(sock, session, recv.index, recv.segment, session.checksums.pop(recv.index, ()), time.perf_counter())
+        self._staged(sock, session, landed.index, landed.segment, session.checksums.pop(landed.index, ()), time.perf_counter())
 
     def _ended(self, sock: Any, identity: bytes) -> None:
         """Finish an update whose End arrived before its last collective receive landed."""
         session = self._sessions.get(identity)
-        if session is not None and session.ended is not None and session.pending is None and not self._inbox.pending_for(identity):
+        if session is not None and session.ended is not None and session.pending is None and not self._landing(session):
             self._end(sock, identity, session.ended)
+
+    def _landing(self, session: Session) -> bool:
+        return self._plane(session.manifest.transport).pending_for(session.identity)
 
     def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
         session = self._sessions.get(identity)
         if self._late(session, identity, msg.version, "end"):
             return
         if session is None or msg.version != session.manifest.version:
-            self._fail(sock, identity, msg.version, "end of an update that was never begun")
+            self._fail(sock, identity, msg.version, FailureKind.WIRE, "end of an update that was never begun")
             return
-        if self._inbox.pending_for(identity):
+        if self._landing(session):
             session.ended = msg  # finished once the last receive lands (see _ended)
             return
         session.ended = None
         missing = sorted(set(range(len(session.manifest.bucket_sizes))) - set(session.buckets) - session.loaded)
         if missing:
-            self._fail(sock, identity, msg.version, f"update ended with buckets {missing[:10]} missing")
+            self._fail(sock, identity, msg.version, FailureKind.WIRE, f"update ended with buckets {missing[:10]} missing")
             return
         session.timings["transfer"] = time.monotonic() - session.started
         buckets = [session.buckets[i] for i in sorted(session.buckets)]
         session.apply_started = time.monotonic()
-        if session.on_abort is not None:
-            session.on_abort = None  # from here on the finish (or its failure) ends the engine's load
-            session.pending = self._executor.submit(self.gate.stream_finish, session.manifest, session.timings)  # type: ignore[attr-defined]
+        if session.streaming:
+            session.on_abort = None  # from here on the finish (or its failure) ends the engine's update
+            session.pending = self._executor.submit(self.gate.finish, session.manifest, session.timings)
             return
-        session.pending = self._executor.submit(self.gate.apply, session.manifest, buckets, session.timings)
+        session.pending = self._executor.submit(self._apply_staged, session.manifest, buckets, session.timings)
 
     def _tick(self, sock: Any) -> None:
         now = time.monotonic()
-        if len(self._attached) and now - self._pruned >= 1.0:
-            self._pruned = now
-            self._attached.prune()
         deadlines = self.config.deadlines
         for identity, session in list(self._sessions.items()):
             version = session.manifest.version
-            if session.loads and self._stream_progress(sock, session):
+            if session.loads and self._progress(sock, session):
                 continue
             if session.pending is not None:
                 if session.pending.done():
@@ -542,7 +417,7 @@ class SyncReceiver:
                     try:
                         result = session.pending.result()
                     except BaseException as exc:  # noqa: BLE001 - report whatever broke the apply
-                        result = ApplyResult(False, f"{type(exc).__name__}: {exc}")
+                        result = ApplyResult.refused(exc)
                     session.close(pool=self._pool if result.ok else None)  # a failed update frees its staging
                     if result.ok and not result.report.get("noop"):
                         m = session.manifest
@@ -551,7 +426,8 @@ class SyncReceiver:
                     report.setdefault("bytes", session.bytes_in)
                     report.setdefault("buckets_verified_by_peer", session.verified_by_peer)
                     if not session.overdue:
-                        self._send(sock, identity, wire.Ack(version=version, ok=result.ok, reason=result.reason, report=report))
+                        self._send(sock, identity, wire.Ack(version=version, ok=result.ok, reason=result.reason, report=report,
+                                                            kind=result.kind.value if result.kind else ""))
                 elif session.overdue:
                     continue
                 elif now - session.apply_started > deadlines.apply_s + deadlines.verify_s:
@@ -561,12 +437,13 @@ class SyncReceiver:
                     reason = (f"DeadlineExceeded: apply of version {version} still running after "
                               f"{deadlines.apply_s + deadlines.verify_s:.1f}s (deadlines.apply_s + deadlines.verify_s)")
                     logger.warning("%s", reason)
-                    self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason))
-                    self.on_event("timeout", {"version": version, "reason": reason})
+                    self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason, kind=FailureKind.TIMEOUT.value))
+                    self.on_event("timeout", {"version": version, "reason": reason, "kind": FailureKind.TIMEOUT.value})
                 elif now - session.last_ping >= deadlines.heartbeat_s:
                     session.last_ping = now
                     self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))
             elif now - session.last_seen > deadlines.bucket_s:
                 logger.warning("update v%s from %r timed out waiting for data", version, identity)
                 self._sessions.pop(identity).close()
-                self.on_event("timeout", {"version": version, "reason": f"no data for {deadlines.bucket_s}s"})
+                self.on_event("timeout", {"version": version, "reason": f"no data for {deadlines.bucket_s}s",
+                                          "kind": FailureKind.TIMEOUT.value})

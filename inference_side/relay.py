@@ -9,8 +9,8 @@ the publisher is the engines' answers combined: ok only when every engine applie
 names the engine and its reason.
 
 With ``sync.mode: streaming`` (the relay's own config) each bucket is forwarded as soon as it is staged and
-verified, so the engines load bucket k while bucket k+1 crosses the network; otherwise the relay stores the
-whole update, then forwards it. Either way it holds the update's buckets in ``/dev/shm`` until every engine
+verified, so the engines load bucket k while bucket k+1 crosses the network; otherwise the relay stores and
+verifies the whole update, then forwards it. Either way it holds the update's buckets in ``/dev/shm`` until every engine
 answered, and it answers as one engine: ``EngineInfo.version`` is the oldest version its engines served at
 the last update. ``RelayActor`` (in ``inference_side/__init__.py``) is this class as a Ray actor, placed on
 the engines' node.
@@ -29,16 +29,19 @@ from typing import Any
 from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ConfigError, TransportError, UpdateFailed
-from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
+from bridge.report import ApplyResult, FailureKind, LoadResult, describe, kind_of
+from inference_side.contract import EngineGate, StagedBucket
+from inference_side.receiver import SyncReceiver
 from inference_side.server import resolve_config
 from trainer_side.publisher import PublishReport
+from trainer_side.publisher import WeightPublisher as UpdateSender
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Forward:
-    """A streaming forward in progress: staged buckets queue up for the thread that sends them on."""
+    """The forward of one update: verified buckets queue up for the thread that sends them on."""
 
     version: int
     buckets: queue.Queue[tuple[str, tuple[int, ...]] | str] = field(default_factory=queue.Queue)
@@ -48,22 +51,20 @@ class _Forward:
     started: float = field(default_factory=time.perf_counter)
 
 
-class RelayGate:
-    """The relay's EngineGate: validates nothing itself (each engine validates the manifest it is sent)
-    and applies an update by forwarding its staged buckets to the local engines."""
+class RelayGate(EngineGate):
+    """The relay's engine contract: validates nothing itself (each engine validates the manifest it is sent)
+    and forwards each loaded bucket to the local engines as it comes (``begin`` starts the forward on a
+    thread of its own, ``finish`` waits for the engines' answers)."""
 
     def __init__(self, engines: list[str], config: BridgeConfig, name: str) -> None:
-        from trainer_side.publisher import WeightPublisher
-
         self.config = config
-        self._stream: _Forward | None = None
+        self._open: _Forward | None = None
         if not engines:
             raise ConfigError("a relay needs at least one local engine endpoint")
         self.name = name
         self.endpoints = list(engines)
-        self._forwarder = WeightPublisher(engines, config=config, name=name, transport="shm")
-        self._lock = threading.Lock()  # one forward at a time (the publisher's sockets are not thread-safe)
-        self._state = threading.Lock()  # guards ending self._stream
+        self._forwarder = UpdateSender(engines, config=config, name=name, transport="shm")
+        self._state = threading.Lock()  # guards ending self._open (the apply thread and close() may both)
         try:
             infos = self._forwarder.engines()
             dtypes = {i.dtype for i in infos}
@@ -86,27 +87,66 @@ class RelayGate:
     def validate(self, manifest: wire.Manifest) -> str | None:
         return None
 
-    def apply(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult:
-        staged = [(b.segment.name, b.checksums) for b in sorted(buckets, key=lambda b: b.index)]
-        t0 = time.perf_counter()
-        with self._lock:
-            outcome = self._forward(manifest, staged.__getitem__)
-        return self._result(manifest, outcome, timings, t0)
+    def begin(self, manifest: wire.Manifest) -> None:
+        forward = self._open = _Forward(manifest.version)
+        wait_s = self.config.deadlines.bucket_s
 
-    def _forward(self, manifest: wire.Manifest, staged: Any) -> PublishReport | BridgeError:
+        def staged(index: int) -> tuple[str, tuple[int, ...]]:
+            try:
+                item = forward.buckets.get(timeout=wait_s)
+            except queue.Empty:
+                raise TransportError(f"relay: bucket {index} was not staged within {wait_s}s") from None
+            if isinstance(item, str):
+                raise TransportError(f"relay: the update was abandoned upstream: {item}")
+            return item
+
+        def run() -> None:
+            try:
+                forward.outcome = self._forwarder.forward(manifest, staged)
+            except BridgeError as exc:
+                forward.outcome = exc
+
+        forward.thread = threading.Thread(target=run, name="wb-relay-forward", daemon=True)
+        forward.thread.start()
+
+    def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
+        """Hand one verified bucket to the forwarding thread; an error once the forward has failed."""
+        forward = self._open
+        if forward is None or forward.version != manifest.version:
+            return LoadResult(f"bucket {bucket.index} of version {manifest.version} arrived outside its update", FailureKind.WIRE)
+        if isinstance(forward.outcome, BridgeError):
+            failed = self._result(manifest, forward.outcome, {}, forward.started)
+            return LoadResult(failed.reason, failed.kind, frozenset(forward.held))
+        forward.held.add(bucket.segment.name)
+        forward.buckets.put((bucket.segment.name, bucket.checksums))
+        return LoadResult(held=frozenset(forward.held))
+
+    def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
+        forward = self._open
         try:
-            return self._forwarder.forward(manifest, staged)
-        except BridgeError as exc:
-            return exc
+            if forward is None or forward.version != manifest.version or forward.thread is None:
+                return ApplyResult(False, f"no update of version {manifest.version} is open", FailureKind.WIRE)
+            forward.thread.join()  # ends by the forwarder's own deadlines (acks, heartbeats) or close()
+            outcome = forward.outcome or TransportError("relay: the forward ended without an outcome")
+            return self._result(manifest, outcome, timings, forward.started)
+        finally:
+            self._end(forward)
+
+    def abort(self, manifest: wire.Manifest, reason: str) -> None:
+        forward = self._open
+        if forward is None or forward.version != manifest.version:
+            return
+        self._abort(forward, reason)
 
     def _result(self, manifest: wire.Manifest, outcome: PublishReport | BridgeError, timings: dict[str, float],
                 t0: float) -> ApplyResult:
         """The engines' answers as one: ok only when every engine applied the version."""
         if isinstance(outcome, UpdateFailed):
             logger.warning("relay %s: version %s refused by %s", self.name, manifest.version, sorted(outcome.reasons))
-            return ApplyResult(False, "relayed to " + "; ".join(f"{ep}: {why}" for ep, why in outcome.reasons.items()))
+            kind = next(iter(outcome.kinds.values()), FailureKind.OTHER)
+            return ApplyResult(False, "relayed to " + "; ".join(f"{ep}: {why}" for ep, why in outcome.reasons.items()), kind)
         if isinstance(outcome, BridgeError):
-            return ApplyResult(False, f"relay could not forward: {type(outcome).__name__}: {outcome}")
+            return ApplyResult(False, f"relay could not forward: {describe(outcome)}", kind_of(outcome))
         report = outcome
         self.versions = [manifest.version if e.ok and not e.noop else v for e, v in zip(report.engines, self.versions, strict=True)]
         engines = [{"endpoint": e.endpoint, "ok": e.ok, "noop": e.noop, "verified": e.verified,
@@ -115,87 +155,30 @@ class RelayGate:
         moved = sorted({t for e in report.engines for t in e.engine.get("identity_violations", [])})
         seconds = {**timings, "relay_forward": time.perf_counter() - t0,
                    "relay_engine_apply": max(e.seconds.get("apply", 0.0) for e in report.engines)}
-        return ApplyResult(True, "", {"relayed": engines, "stale_tensors": stale, "identity_violations": moved,
-                                      "seconds": seconds, "noop": all(e.noop for e in report.engines)})
+        return ApplyResult(True, "", None, {"relayed": engines, "stale_tensors": stale, "identity_violations": moved,
+                                            "seconds": seconds, "noop": all(e.noop for e in report.engines)})
 
-    # ---- streaming: the receiver calls these in order on its apply thread ------------------------------
-    def stream_begin(self, manifest: wire.Manifest) -> None:
-        self._lock.acquire()  # released by stream_finish / stream_abort
-        stream = self._stream = _Forward(manifest.version)
-        wait_s = self.config.deadlines.bucket_s
-
-        def staged(index: int) -> tuple[str, tuple[int, ...]]:
-            try:
-                item = stream.buckets.get(timeout=wait_s)
-            except queue.Empty:
-                raise TransportError(f"relay: bucket {index} was not staged within {wait_s}s") from None
-            if isinstance(item, str):
-                raise TransportError(f"relay: the update was abandoned upstream: {item}")
-            return item
-
-        def run() -> None:
-            stream.outcome = self._forward(manifest, staged)
-
-        stream.thread = threading.Thread(target=run, name="wb-relay-forward", daemon=True)
-        stream.thread.start()
-
-    def stream_load(self, manifest: wire.Manifest, bucket: StagedBucket) -> str:
-        """Hand one verified bucket to the forwarding thread; an error once the forward has failed."""
-        stream = self._stream
-        if stream is None or stream.version != manifest.version:
-            return f"bucket {bucket.index} of version {manifest.version} arrived outside its streaming update"
-        if isinstance(stream.outcome, BridgeError):
-            return self._result(manifest, stream.outcome, {}, stream.started).reason
-        stream.held.add(bucket.segment.name)
-        stream.buckets.put((bucket.segment.name, bucket.checksums))
-        return ""
-
-    def stream_held(self) -> frozenset[str]:
-        """Segments forwarded in the open update: the receiver must not reuse them before it ends."""
-        stream = self._stream
-        return frozenset(stream.held) if stream is not None else frozenset()
-
-    def stream_finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
-        stream = self._stream
+    def _abort(self, forward: _Forward, reason: str) -> None:
         try:
-            if stream is None or stream.version != manifest.version or stream.thread is None:
-                return ApplyResult(False, f"no streaming update of version {manifest.version} is open")
-            stream.thread.join()  # ends by the forwarder's own deadlines (acks, heartbeats) or close()
-            outcome = stream.outcome or TransportError("relay: the forward ended without an outcome")
-            return self._result(manifest, outcome, timings, stream.started)
+            forward.buckets.put(reason)  # the forwarder aborts the engines' update, naming the reason
+            if forward.thread is not None:
+                forward.thread.join()
         finally:
-            self._end_stream(stream)
+            self._end(forward)
 
-    def stream_abort(self, manifest: wire.Manifest, reason: str) -> None:
-        stream = self._stream
-        if stream is None or stream.version != manifest.version:
-            return
-        self._abort(stream, reason)
-
-    def _abort(self, stream: _Forward, reason: str) -> None:
-        try:
-            stream.buckets.put(reason)  # the forwarder aborts the engines' update, naming the reason
-            if stream.thread is not None:
-                stream.thread.join()
-        finally:
-            self._end_stream(stream)
-
-    def _end_stream(self, stream: _Forward | None = None) -> None:
-        with self._state:  # the apply thread and close() may both end the same stream
-            if self._stream is None or (stream is not None and self._stream is not stream):
-                return
-            self._stream = None
-        self._lock.release()
+    def _end(self, forward: _Forward | None) -> None:
+        with self._state:
+            if forward is not None and self._open is forward:
+                self._open = None
 
     def close(self) -> None:
-        # a forward in progress (staged or streaming) stops waiting for the engines' answers and tells
-        # them to drop the update, instead of holding the shutdown for up to deadlines.ack_s
+        # a forward in progress stops waiting for the engines' answers and tells them to drop the update,
+        # instead of holding the shutdown for up to deadlines.ack_s
         self._forwarder.abort("the relay is shutting down")
-        stream = self._stream
-        if stream is not None:  # a forward the receiver left open (its abort may never have run)
-            self._abort(stream, "the relay is shutting down")
-        with self._lock:
-            self._forwarder.close()
+        forward = self._open
+        if forward is not None:  # a forward the receiver left open (its abort may never have run)
+            self._abort(forward, "the relay is shutting down")
+        self._forwarder.close()
 
 
 class Relay:

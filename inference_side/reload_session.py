@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.errors import AuditError, BridgeError, IdentityError, RouterError
+from bridge.report import RankReport
 from inference_side import reload_hooks
 from inference_side.router import RoutedLoader, SinkLoader, map_checkpoint_name, owning_module_path
 
@@ -209,7 +210,7 @@ class ReloadSession:
         for name, tensor in run[len(written):]:
             self.load(name, tensor)
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> RankReport:
         import torch
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -226,23 +227,17 @@ class ReloadSession:
             problems = self._audit() if self.audit else []
             moved = self._identity_violations() if self.identity else []
         self.timings["verify"] += time.perf_counter() - t1
-        report = {
-            "rank": self.state.tp_rank,
-            "tensors": len(self.loaded),
-            "routed_sinks": sorted(self.routed_sinks),
-            "routed_bypass": sorted(set(self.routed_bypass)),
-            "skipped": self.skipped,
-            "stale": problems,
-            "identity_violations": moved,
-            "aliases_refreshed": refreshed,
-            "load_calls": self.load_calls,
-            "runs_stopped": not self._runs_ok,
-            "seconds": dict(self.timings),
-        }
+        report = RankReport(
+            self.state.tp_rank, seconds=dict(self.timings), tensors=len(self.loaded),
+            stale=tuple(problems), identity_violations=tuple(moved),
+            routed_sinks=tuple(sorted(self.routed_sinks)), routed_bypass=tuple(sorted(set(self.routed_bypass))),
+            load_calls=self.load_calls, runs_stopped=not self._runs_ok, skipped=tuple(self.skipped),
+            aliases_refreshed=refreshed,
+        )
         if problems:
-            raise AuditError("stale after update: " + "; ".join(problems))
+            raise AuditError("stale after update: " + "; ".join(problems), problems)
         if moved:
-            raise IdentityError("storage changed during update: " + "; ".join(moved))
+            raise IdentityError("storage changed during update: " + "; ".join(moved), moved)
         return report
 
     def abort(self) -> None:

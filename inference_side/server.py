@@ -1,7 +1,9 @@
 """The inference side of one engine: owns a ``vllm.LLM``, serves generation, takes weight updates.
 
-``InferenceActor`` (see ``inference_side/__init__.py``) is this class as a Ray actor. Generation and
-updates share one lock: no request ever runs while an update is being applied.
+``InferenceActor`` (see ``inference_side/__init__.py``) is this class as a Ray actor. It is the
+``EngineGate`` its ``SyncReceiver`` drives (inference_side/contract.py): ``begin`` / ``load`` / ``finish`` /
+``abort`` become the same calls on every TP worker (inference_side/worker_ext.py). No request runs while an
+update is open: generation waits (at most ``deadlines.ack_s``) until the update finished or was aborted.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
-from bridge.errors import BridgeError, ConfigError, ManifestError, VersionError
+from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, ManifestError, VersionError
 from bridge.records import SyncRecord
+from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
 from bridge.transports import available as available_transports
-from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
-from inference_side.streaming import StreamingGate
+from inference_side.contract import EngineGate, StagedBucket
+from inference_side.receiver import SyncReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +43,26 @@ def resolve_config(config: BridgeConfig | dict[str, Any] | str | None) -> Bridge
     return load_config(config)
 
 
-class InferenceServer(StreamingGate):
+@dataclass
+class _Update:
+    """The update open in the engine, between ``begin`` and ``finish`` / ``abort``."""
+
+    manifest: wire.Manifest
+    started: float
+    begun: bool = False  # the workers opened their reload: a failure from here on touched the weights
+    failure: tuple[FailureKind, str] | None = None
+    buckets: list[StagedBucket] = field(default_factory=list)  # kept for the host copy (staged only)
+    ranks: list[RankReport] = field(default_factory=list)
+    load_s: float = 0.0
+
+
+class InferenceServer(EngineGate):
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  config: BridgeConfig | dict[str, Any] | str | None = None, name: str | None = None,
                  **llm_kwargs: Any) -> None:
+        """Start a vLLM engine on ``model`` (a local checkpoint directory) and a receiver for updates.
+        ``llm_kwargs`` go to ``vllm.LLM`` (``worker_extension_cls`` may name a subclass of
+        ``inference_side.worker_ext.WeightSyncWorker``)."""
         from inference_side.engine import start_llm
 
         self.config = resolve_config(config)
@@ -59,12 +79,19 @@ class InferenceServer(StreamingGate):
             from inference_side.affinity import pin_off_workers
 
             pin_off_workers([r["pid"] for r in self.setup], [set(r["cpus"]) for r in self.setup])
-        self._lock = threading.RLock()
+        # Guards the engine: generation and each update call hold it while they run; between an update's
+        # begin and its finish/abort, generation waits on it for the update to end.
+        self._engine = threading.Condition(threading.RLock())
+        self._update: _Update | None = None
         self._version = 0
         self._generated = 0  # sequences generated (rollouts served) since start
         self._degraded: str | None = None
         self._records: deque[SyncRecord] = deque(maxlen=self.config.serve.history)
-        self._host_copy = self._load_host_copy() if self.config.sync.host_copy else None
+        self._host_copy: Any = None
+        if self.config.sync.host_copy:
+            from inference_side.host_copy import HostCopy
+
+            self._host_copy = HostCopy(self.model_path, self.dtype)
         self.receiver = SyncReceiver(self, self.config, on_event=self._on_event)
         self._endpoint = self.receiver.start()
         logger.info("%s serving %s at %s", self.name, self.model_path, self._endpoint)
@@ -110,7 +137,7 @@ class InferenceServer(StreamingGate):
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
                                 seed=seed, detokenize=False)
-        with self._lock:
+        with self._serving():
             if self._degraded:
                 raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -126,30 +153,31 @@ class InferenceServer(StreamingGate):
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probability of each token after the first, under the served weights."""
-        with self._lock:
+        with self._serving():
             return self._score(sequences)
 
     def read_params(self, paths: list[str]) -> list[dict[str, list[float]]]:
         """Each TP rank's live values of the given parameters (vLLM names)."""
-        with self._lock:
+        with self._serving():
             return self.llm.collective_rpc("wb_read", args=(paths,))
 
     def backend_sinks(self) -> list[dict[str, Any]]:
-        with self._lock:
+        with self._serving():
             return self.llm.collective_rpc("wb_backend_sinks")
 
     def bypass_tensors(self) -> list[list[str]]:
         return self.llm.collective_rpc("wb_bypass")
 
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call ``method`` of the worker extension on every TP worker (vLLM's ``collective_rpc``), between
+        updates; one result per rank. For methods a deployment adds in its own ``worker_extension_cls``."""
+        with self._serving():
+            return self.llm.collective_rpc(method, args=tuple(args))
+
     def shutdown(self) -> None:
         self.receiver.stop()
 
-    def test_only_arm_load_failure(self, name: str) -> list[str]:
-        """Test-only fault injection: every TP worker raises once, inside the next update, when it
-        reaches tensor ``name`` (after loading began). Used by tests/test_faults.py."""
-        return self.llm.collective_rpc("wb_test_only_arm_failure", args=(name,))
-
-    # ---- EngineGate ---------------------------------------------------------------------------
+    # ---- EngineGate (inference_side/contract.py) ---------------------------------------------------
     @staticmethod
     def _transports() -> tuple[str, ...]:
         """Every data plane this host can receive on (NCCL only where a GPU is visible)."""
@@ -177,98 +205,151 @@ class InferenceServer(StreamingGate):
                 raise ManifestError(f"tensor {spec.name}: dtype {spec.dtype} does not match the engine's {want}")
         return None
 
-    def apply(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult:
-        payload = [
-            {"segment": b.segment.name, "size": b.segment.size,
-             "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in b.specs]}
-            for b in buckets
-        ]
-        options = {"router": self.config.router.enabled, "audit": self.config.router.audit,
-                   "identity": self.config.router.identity_check}
-        t0 = time.perf_counter()
-        with self._lock:
+    def begin(self, manifest: wire.Manifest) -> None:
+        with self._engine:
+            if self._update is not None:  # an update the receiver never closed (it always does): end it first
+                self._close(self._update, (FailureKind.ABORTED, "superseded by a newer update"))
+            update = self._update = _Update(manifest, time.perf_counter())
             if manifest.version < self._version or (manifest.version == self._version and not self._degraded):
                 # another update (a second publisher) got there first while this one was staged
-                return self._record(manifest, False, f"VersionError: version {manifest.version} is not newer than the "
-                                    f"served version {self._version} (applied meanwhile by another update)", {}, timings)
-            reports = self.llm.collective_rpc("wb_apply", args=(payload, options))
-            apply_s = time.perf_counter() - t0
-            errors = [f"rank {r.get('rank')}: {r['error']}" for r in reports if not r.get("ok")]
-            if errors:
-                reason = " | ".join(errors)
-                restored = self._restore_host_copy(manifest, options) if self._host_copy is not None else None
-                if restored:
-                    reason += f" (rolled back from the host copy: the engine serves version {self._version})"
-                else:
-                    self._degraded = f"update to v{manifest.version} failed after loading began: {reason}"
-                    if restored is not None:
-                        reason += " (restoring the host copy failed too: the engine is degraded)"
+                update.failure = (FailureKind.VERSION, f"VersionError: version {manifest.version} is not newer than the "
+                                  f"served version {self._version} (applied meanwhile by another update)")
+                return
+            update.begun = True
+            self._ranks(update, self.llm.collective_rpc("wb_begin", args=([s.name for s in manifest.tensors], self._options())))
+
+    def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
+        with self._engine:
+            update = self._update
+            if update is None or update.manifest.version != manifest.version:
+                return LoadResult(f"bucket {bucket.index} of version {manifest.version} arrived outside its update",
+                                  FailureKind.WIRE)
+            if update.failure is None:
+                t0 = time.perf_counter()
+                reports = self.llm.collective_rpc("wb_load", args=(bucket.payload(),))
+                update.load_s += time.perf_counter() - t0
+                self._ranks(update, reports)
+                if self._host_copy is not None:
+                    update.buckets.append(bucket)
+                held = frozenset(name for r in reports for name in r.held)
+            else:
+                held = frozenset()
+            if update.failure is not None:
+                return LoadResult(update.failure[1], update.failure[0], held)
+            return LoadResult(held=held)
+
+    def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
+        with self._engine:
+            update = self._update
+            if update is None or update.manifest.version != manifest.version:
+                return ApplyResult(False, f"no update of version {manifest.version} is open", FailureKind.WIRE)
+            t0 = time.perf_counter()
+            if update.failure is None:
+                finished = self.llm.collective_rpc("wb_finish")
+                self._ranks(update, finished)
+                update.ranks = list(finished)
+            seconds = {"apply": update.load_s + time.perf_counter() - t0, "stream_load": update.load_s,
+                       "stream_total": time.perf_counter() - update.started}
+            if self.config.sync.mode != "streaming":
+                del seconds["stream_load"], seconds["stream_total"]
+            if update.failure is not None:
+                kind, reason = update.failure
+                reason = self._close(update, update.failure)
+                return self._record(manifest, False, reason, seconds, timings, update.ranks, kind=kind)
+            try:
+                if self._host_copy is not None:
+                    self._host_copy.keep(update.buckets)
                 self.llm.reset_prefix_cache()
-                return self._record(manifest, False, reason, {"apply": apply_s}, timings, reports)
-            if self._host_copy is not None:
-                self._keep_host_copy(buckets)
-            self.llm.reset_prefix_cache()
-            self._version = manifest.version
-            self._degraded = None
-            probe = self._probe(manifest.probe) if manifest.probe and self.config.probe.enabled else {}
-        return self._record(manifest, True, "", {"apply": apply_s}, timings, reports, probe)
+                self._version = manifest.version
+                self._degraded = None
+                probe = self._probe(manifest.probe) if manifest.probe and self.config.probe.enabled else {}
+            finally:
+                self._end(update)
+            return self._record(manifest, True, "", seconds, timings, update.ranks, probe)
 
-    # ---- host copy (sync.host_copy) ---------------------------------------------------------------
-    def _load_host_copy(self) -> dict[str, Any]:
-        """The served weights in checkpoint names, as the engine would receive them (floats in its dtype)."""
-        import torch
-        from safetensors.torch import load_file
+    def abort(self, manifest: wire.Manifest, reason: str) -> None:
+        with self._engine:
+            update = self._update
+            if update is None or update.manifest.version != manifest.version:
+                return
+            reason = self._close(update, (FailureKind.ABORTED, reason))
+            self._records.append(SyncRecord(version=manifest.version, engine=self.name, ok=False,
+                                            reason=f"update aborted: {reason}", kind=FailureKind.ABORTED.value))
 
-        copy: dict[str, Any] = {}
-        for path in sorted(Path(self.model_path).glob("*.safetensors")):
-            for name, tensor in load_file(str(path)).items():
-                copy[name] = tensor.to(getattr(torch, self.dtype)) if tensor.is_floating_point() else tensor
-        logger.info("%s keeps a host copy of %d tensors", self.name, len(copy))
-        return copy
+    # ---- one update: internals -----------------------------------------------------------------
+    def _options(self) -> dict[str, Any]:
+        cfg = self.config.router
+        return {"router": cfg.enabled, "audit": cfg.audit, "identity": cfg.identity_check}
 
-    def _keep_host_copy(self, buckets: list[StagedBucket]) -> None:
-        import torch
+    @staticmethod
+    def _ranks(update: _Update, reports: list[RankReport]) -> None:
+        """Note the first failure among the ranks' answers."""
+        failed = first_failure(reports)
+        if failed is not None and update.failure is None:
+            update.failure = failed
 
-        assert self._host_copy is not None
-        for bucket in buckets:
-            for spec in bucket.specs:
-                raw = torch.frombuffer(bucket.segment.buffer, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset) \
-                    if spec.nbytes else torch.empty(0, dtype=torch.uint8)
-                self._host_copy[spec.name] = raw.clone().view(getattr(torch, spec.dtype)).view(spec.shape)
-
-    def _restore_host_copy(self, manifest: wire.Manifest, options: dict[str, Any]) -> bool:
-        """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
-        import torch
-
-        from bridge.shm import Segment
-
-        assert self._host_copy is not None
-        tensors, offset = [], 0
-        for spec in manifest.tensors:
-            value = self._host_copy[spec.name].contiguous()
-            nbytes = value.numel() * value.element_size()
-            tensors.append((spec.name, value, offset, nbytes))
-            offset += nbytes
-        segment = Segment.create("restore", offset)
+    def _close(self, update: _Update, failure: tuple[FailureKind, str]) -> str:
+        """End a failed update: the workers' reload is closed (kernel tensors back in place), then the host copy
+        restored or the engine marked degraded if loading had begun. Returns the reason, with what became of
+        the engine."""
+        reason = failure[1]
         try:
-            out = torch.frombuffer(segment.mm, dtype=torch.uint8, count=offset) if offset else torch.empty(0, dtype=torch.uint8)
-            for _, value, off, nbytes in tensors:
-                if nbytes:
-                    out[off:off + nbytes].copy_(value.view(-1).view(torch.uint8))
-            del out
-            payload = [{"segment": segment.name, "size": offset,
-                        "tensors": [[n, str(v.dtype).removeprefix("torch."), list(v.shape), off, nb] for n, v, off, nb in tensors]}]
-            reports = self.llm.collective_rpc("wb_apply", args=(payload, options))
+            if not update.begun:
+                return reason
+            self.llm.collective_rpc("wb_abort")
+            restored = self._restore(update.manifest) if self._host_copy is not None else None
+            if restored:
+                reason += f" (rolled back from the host copy: the engine serves version {self._version})"
+            else:
+                self._degraded = f"update to v{update.manifest.version} failed after loading began: {reason}"
+                if restored is not None:
+                    reason += " (restoring the host copy failed too: the engine is degraded)"
+                logger.warning("%s: %s", self.name, self._degraded)
+            self.llm.reset_prefix_cache()
+            return reason
         finally:
-            segment.close()
-        failed = [f"rank {r.get('rank')}: {r.get('error')}" for r in reports if not r.get("ok")]
-        if failed:
-            logger.error("%s: restoring the host copy failed: %s", self.name, " | ".join(failed))
+            self._end(update)
+
+    def _end(self, update: _Update) -> None:
+        if self._update is update:
+            self._update = None
+            self._engine.notify_all()
+
+    def _restore(self, manifest: wire.Manifest) -> bool:
+        """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
+        bucket = self._host_copy.bucket(manifest)
+        try:
+            reports = list(self.llm.collective_rpc("wb_begin", args=([s.name for s in bucket.specs], self._options())))
+            if all(r.ok for r in reports):
+                reports += self.llm.collective_rpc("wb_load", args=(bucket.payload(),))
+            reports += self.llm.collective_rpc("wb_finish" if all(r.ok for r in reports) else "wb_abort")
+        finally:
+            bucket.segment.close()
+        failed = first_failure(reports)
+        if failed is not None:
+            logger.error("%s: restoring the host copy failed: %s", self.name, failed[1])
             return False
         logger.warning("%s: update to v%s failed; restored v%s from the host copy", self.name, manifest.version, self._version)
         return True
 
-    # ---- internals ----------------------------------------------------------------------------
+    def _serving(self) -> Any:
+        """Hold the engine for a request, once no update is open (waits at most ``deadlines.ack_s``)."""
+        server = self
+
+        class _Hold:
+            def __enter__(self) -> None:
+                engine = server._engine
+                engine.acquire()
+                limit = server.config.deadlines.ack_s
+                if not engine.wait_for(lambda: server._update is None, timeout=limit):
+                    engine.release()
+                    raise DeadlineExceeded(f"engine {server.name}: an update stayed open for over {limit}s (deadlines.ack_s)")
+
+            def __exit__(self, *exc: object) -> None:
+                server._engine.release()
+
+        return _Hold()
+
     def _score(self, sequences: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
 
@@ -294,35 +375,32 @@ class InferenceServer(StreamingGate):
                 "probe_flagged": mad > self.config.probe.max_mean_abs_logprob_diff}
 
     def _record(self, manifest: wire.Manifest, ok: bool, reason: str, extra: dict[str, float],
-                timings: dict[str, float], reports: list[dict[str, Any]] | None = None,
-                probe: dict[str, Any] | None = None) -> ApplyResult:
-        reports = reports or []
+                timings: dict[str, float], ranks: list[RankReport], probe: dict[str, Any] | None = None,
+                kind: FailureKind | None = None) -> ApplyResult:
         seconds = dict(timings)
         seconds.update(extra)
         for phase in ("load", "finalize", "verify"):
-            vals = [r.get("seconds", {}).get(phase, 0.0) for r in reports if r.get("ok")]
+            vals = [r.seconds.get(phase, 0.0) for r in ranks if r.ok and phase in r.seconds]
             if vals:
                 seconds[phase] = max(vals)
         # The engine's wall time of the whole sync, manifest in -> applied: what GB/s and the charts use.
         seconds.setdefault("total", seconds.get("stream_total", seconds.get("transfer", 0.0) + seconds.get("apply", 0.0)))
-        stale = tuple(s for r in reports for s in r.get("stale", []))
-        if not ok and reason and "stale" in reason:
-            stale = stale or tuple(p.strip() for p in reason.split(";"))
         record = SyncRecord(
-            version=manifest.version, engine=self.name, ok=ok, reason=reason, bytes=manifest.total_bytes,
-            tensors=len(manifest.tensors), seconds=seconds,
-            tensors_audited=sum(int(r.get("tensors", 0)) for r in reports if r.get("ok")),
-            stale_tensors=stale,
-            identity_violations=tuple(v for r in reports for v in r.get("identity_violations", [])),
-            routed_sinks=max((len(r.get("routed_sinks", [])) for r in reports), default=0),
-            routed_bypass=max((len(r.get("routed_bypass", [])) for r in reports), default=0),
+            version=manifest.version, engine=self.name, ok=ok, reason=reason, kind=kind.value if kind else "",
+            bytes=manifest.total_bytes, tensors=len(manifest.tensors), seconds=seconds,
+            tensors_audited=sum(r.tensors for r in ranks if r.ok),
+            stale_tensors=tuple(s for r in ranks for s in r.stale),
+            identity_violations=tuple(v for r in ranks for v in r.identity_violations),
+            routed_sinks=max((len(r.routed_sinks) for r in ranks), default=0),
+            routed_bypass=max((len(r.routed_bypass) for r in ranks), default=0),
             transport=manifest.transport,
             **(probe or {}),
         )
         self._records.append(record)
-        return ApplyResult(ok, reason, record.to_dict() | {"ranks": reports})
+        return ApplyResult(ok, reason, kind, record.to_dict() | {"ranks": [r.to_dict() for r in ranks]})
 
-    def _on_event(self, kind: str, data: dict[str, Any]) -> None:
-        if kind in ("refused", "timeout", "aborted", "conflict"):
+    def _on_event(self, event: str, data: dict[str, Any]) -> None:
+        """The receiver's refusals, deadlines, aborts and conflicts become failed records."""
+        if event in ("refused", "timeout", "aborted", "conflict"):
             self._records.append(SyncRecord(version=int(data.get("version", 0)), engine=self.name, ok=False,
-                                            reason=f"{kind}: {data.get('reason', '')}"))
+                                            reason=f"{event}: {data.get('reason', '')}", kind=str(data.get("kind", ""))))

@@ -1,7 +1,8 @@
 """The vLLM ``worker_extension_cls``: mixed into every TP worker, called through ``collective_rpc``.
 
-One RPC per update in staged mode (``wb_apply`` with every bucket's shared-memory segment);
-every method catches its own failure and returns it, so all ranks answer and the actor decides.
+An update is ``wb_begin`` -> ``wb_load`` per bucket (its shared-memory segment, mapped in place) ->
+``wb_finish`` (or ``wb_abort``), the lifecycle of inference_side/contract.py on this rank. Every call
+returns a ``RankReport`` and never raises, so all ranks answer and the engine decides.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
-from bridge.errors import BridgeError
-from bridge.shm import AttachCache, Segment
+from bridge.errors import AuditError, BridgeError, IdentityError
+from bridge.report import FailureKind, RankReport
+from inference_side.mapped_buckets import MappedBuckets, torch_dtype
 from inference_side.reload_session import ReloadSession, SinkBinding, WorkerRouterState
 from inference_side.router import (
     init_sink_padding,
@@ -40,17 +43,10 @@ def _exclusive(method: _F) -> _F:
     return run  # type: ignore[return-value]
 
 
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    return getattr(torch, name)
-
-
 class WeightSyncWorker:
     """Methods prefixed ``wb_`` to stay clear of vLLM's own worker API."""
 
     _wb_state: WorkerRouterState | None = None
-    _wb_fail_once: str | None = None  # test-only: tensor name at which the next update raises
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _wb_model(self) -> Any:
@@ -109,7 +105,7 @@ class WeightSyncWorker:
 
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                return probe_sink_layout(model, ckpt_name, path, entry.shape[0], _torch_dtype(entry.dtype))
+                return probe_sink_layout(model, ckpt_name, path, entry.shape[0], torch_dtype(entry.dtype))
         except Exception as exc:  # noqa: BLE001 - a model whose loader cannot take one tensor: keep the default
             logger.info("%s: could not probe the model's sink layout (%s); assuming this rank's head range", path, exc)
             return None
@@ -120,206 +116,127 @@ class WeightSyncWorker:
 
         return {"rank": self._wb_state.tp_rank if self._wb_state else -1, "previous": set_reader_spin(seconds)}
 
-    # ---- one update -----------------------------------------------------------------------------
+    # ---- one update: the lifecycle of inference_side/contract.py, on this rank -------------------
+    _wb_session: ReloadSession | None = None
+    _wb_mapped: MappedBuckets | None = None
+
+    def _wb_rank(self) -> int:
+        return self._wb_state.tp_rank if self._wb_state is not None else -1
+
+    def _wb_buckets(self) -> MappedBuckets:
+        if self._wb_mapped is None:
+            self._wb_mapped = MappedBuckets()
+            threading.Thread(target=self._wb_prune_loop, name="wb-prune", daemon=True).start()
+        return self._wb_mapped
+
     @_exclusive
-    def wb_apply(self, buckets: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
+    def wb_begin(self, names: list[str], options: dict[str, Any]) -> RankReport:
+        """Open the layerwise reload for an update of tensors ``names`` (a reload left open is aborted first)."""
         from vllm.config import set_current_vllm_config
 
-        t0 = time.perf_counter()
         if self._wb_state is None:
             self.wb_setup()
         assert self._wb_state is not None
-        names = [t[0] for b in buckets for t in b["tensors"]]
+        self.wb_abort()
+        self._wb_buckets().prune()
         session = ReloadSession(
             self._wb_model(), self.vllm_config.model_config, self._wb_state, names,  # type: ignore[attr-defined]
             router=bool(options.get("router", True)),
             audit=bool(options.get("audit", True)),
             identity=bool(options.get("identity", True)),
         )
-        segments: list[Segment] = []
-        self._wb_prune()
-        attached = self._wb_attached()
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 session.begin()
-                for bucket in buckets:
-                    seg = attached.attach(bucket["segment"], bucket["size"])
-                    segments.append(seg)
-                    _load_views(session, _views(seg, bucket["tensors"]), self._wb_test_only_fail(bucket["tensors"]))
-                report = session.finish()
-            report["ok"] = True
-        except BridgeError as exc:
-            session.abort()
-            report = {"ok": False, "rank": self._wb_state.tp_rank, "error": f"{type(exc).__name__}: {exc}"}
         except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
             session.abort()
-            logger.error("update failed in worker: %s", traceback.format_exc())
-            report = {"ok": False, "rank": self._wb_state.tp_rank, "error": f"{type(exc).__name__}: {exc}"}
+            return self._wb_failed(exc, "begin")
+        self._wb_session = session
+        return RankReport(self._wb_rank())
+
+    @_exclusive
+    def wb_load(self, bucket: dict[str, Any]) -> RankReport:
+        """Load one bucket's tensors into the open reload; unmap every earlier bucket nothing holds."""
+        from vllm.config import set_current_vllm_config
+
+        session = self._wb_session
+        if session is None:
+            return RankReport(self._wb_rank(), ok=False, kind=FailureKind.WIRE, error="no update is open on this worker")
+        mapped = self._wb_buckets()
+        t0 = time.perf_counter()
+        try:
+            tensors = mapped.map(bucket)
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                self._wb_load_tensors(session, tensors)
+            del tensors
+        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
+            return self._wb_failed(exc, "load")
+        mapped.release_unviewed()
+        return RankReport(self._wb_rank(), seconds={"load": time.perf_counter() - t0}, held=mapped.held())
+
+    def _wb_load_tensors(self, session: ReloadSession, tensors: list[tuple[str, Any]]) -> None:
+        """Load one bucket's ``(name, tensor)`` views (a method, so no loop variable outlives it and pins a
+        mapping)."""
+        session.load_many(tensors)
+
+    @_exclusive
+    def wb_finish(self) -> RankReport:
+        """Finish the open reload: finalize, refresh backend aliases, audit, identity check."""
+        from vllm.config import set_current_vllm_config
+
+        session, self._wb_session = self._wb_session, None
+        if session is None:
+            return RankReport(self._wb_rank(), ok=False, kind=FailureKind.WIRE, error="no update is open on this worker")
+        t0 = time.perf_counter()
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                done = session.finish()
+        except AuditError as exc:
+            session.abort()
+            return replace(self._wb_failed(exc, "finish"), stale=exc.tensors)
+        except IdentityError as exc:
+            session.abort()
+            return replace(self._wb_failed(exc, "finish"), identity_violations=exc.violations)
+        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
+            session.abort()
+            return self._wb_failed(exc, "finish")
         finally:
-            del session
-            for seg in segments:
-                seg.close()
-            self._wb_prune()
-        report["worker_seconds"] = time.perf_counter() - t0
-        return report
+            self._wb_buckets().close_all()
+        return replace(done, seconds={**done.seconds, "worker_finish": time.perf_counter() - t0})
 
-    _wb_attach_cache: AttachCache | None = None
+    @_exclusive
+    def wb_abort(self) -> RankReport:
+        """End an open reload without finishing it: kernel tensors back in place (a mix of versions if
+        loading had begun). Harmless when none is open."""
+        from vllm.config import set_current_vllm_config
 
-    def _wb_attached(self) -> AttachCache:
-        """Bucket segments mapped copy-on-write and kept from one update to the next: the receiver and the
-        publisher reuse their segments, and reading kept pages skips the page-table set-up of a fresh
-        mapping (about a third of a bucket's copy time here). Segments whose file is gone are unmapped."""
-        if self._wb_attach_cache is None:
-            self._wb_attach_cache = AttachCache(private=True)
-            threading.Thread(target=self._wb_prune_loop, name="wb-prune", daemon=True).start()
-        return self._wb_attach_cache
+        session, self._wb_session = self._wb_session, None
+        try:
+            if session is not None:
+                with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                    session.abort()
+        finally:
+            if self._wb_mapped is not None:
+                self._wb_mapped.close_all()
+        return RankReport(self._wb_rank())
 
-    def _wb_prune(self) -> None:
-        """Unmap kept segments whose file is gone; only where no tensor views them (between updates), since
-        ``torch.frombuffer`` views do not pin a mapping."""
-        if self._wb_attach_cache is not None and self._wb_stream is None:
-            self._wb_attach_cache.prune()
+    def _wb_failed(self, exc: Exception, step: str) -> RankReport:
+        if not isinstance(exc, BridgeError):
+            logger.error("%s failed in worker: %s", step, traceback.format_exc())
+        return RankReport.failed(self._wb_rank(), exc, kind=None if isinstance(exc, BridgeError) else FailureKind.LOAD)
 
     def _wb_prune_loop(self) -> None:
         """About once a second, between updates: a publisher that went away (or a receiver that trimmed its
-        pool) must not leave its segments' memory pinned by this worker until the next update."""
+        pool) must not leave its segments' memory pinned by this worker until the next update. Only where
+        no tensor views them: ``torch.frombuffer`` views do not pin a mapping."""
         while True:
             time.sleep(PRUNE_EVERY_S)
             if _BUSY.acquire(blocking=False):
                 try:
-                    self._wb_prune()
+                    if self._wb_session is None and self._wb_mapped is not None:
+                        self._wb_mapped.prune()
                 finally:
                     _BUSY.release()
-
-    # ---- streaming mode: one RPC per bucket (inference_side/streaming.py) -------------------------
-    _wb_stream: ReloadSession | None = None
-    _wb_stream_segments: list[tuple[Segment, list[Any]]] | None = None  # mapped buckets and their storages
-
-    @_exclusive
-    def wb_stream_begin(self, names: list[str], options: dict[str, Any]) -> dict[str, Any]:
-        """Open the layerwise reload for an update whose buckets follow one ``wb_stream_load`` each."""
-        from vllm.config import set_current_vllm_config
-
-        if self._wb_state is None:
-            self.wb_setup()
-        assert self._wb_state is not None
-        self.wb_stream_abort()  # a reload left open by an update that never ended
-        session = ReloadSession(
-            self._wb_model(), self.vllm_config.model_config, self._wb_state, names,  # type: ignore[attr-defined]
-            router=bool(options.get("router", True)),
-            audit=bool(options.get("audit", True)),
-            identity=bool(options.get("identity", True)),
-        )
-        self._wb_stream_segments = []
-        try:
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                session.begin()
-        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
-            session.abort()
-            return {"ok": False, "rank": self._wb_state.tp_rank, "error": f"{type(exc).__name__}: {exc}"}
-        self._wb_stream = session
-        return {"ok": True, "rank": self._wb_state.tp_rank}
-
-    @_exclusive
-    def wb_stream_load(self, bucket: dict[str, Any]) -> dict[str, Any]:
-        """Load one bucket's tensors into the open reload; unmap every earlier bucket nothing holds."""
-        from vllm.config import set_current_vllm_config
-
-        rank = self._wb_state.tp_rank if self._wb_state else -1
-        session = self._wb_stream
-        if session is None or self._wb_stream_segments is None:
-            return {"ok": False, "rank": rank, "error": "no streaming update is open on this worker"}
-        t0 = time.perf_counter()
-        try:
-            seg = self._wb_attached().attach(bucket["segment"], bucket["size"])
-            views = _views(seg, bucket["tensors"])
-            self._wb_stream_segments.append((seg, [t.untyped_storage() for _, t in views]))
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                _load_views(session, views)
-            del views
-        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
-            logger.error("streaming load failed in worker: %s", traceback.format_exc())
-            return {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-        self._wb_stream_segments = [(s, st) for s, st in self._wb_stream_segments if not _unmapped(s, st)]
-        return {"ok": True, "rank": rank, "seconds": time.perf_counter() - t0,
-                "held": [seg.name for seg, _ in self._wb_stream_segments]}
-
-    @_exclusive
-    def wb_stream_finish(self) -> dict[str, Any]:
-        from vllm.config import set_current_vllm_config
-
-        rank = self._wb_state.tp_rank if self._wb_state else -1
-        session, self._wb_stream = self._wb_stream, None
-        if session is None:
-            return {"ok": False, "rank": rank, "error": "no streaming update is open on this worker"}
-        t0 = time.perf_counter()
-        try:
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                report = session.finish()
-            report["ok"] = True
-        except BridgeError as exc:
-            session.abort()
-            report = {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-        except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
-            session.abort()
-            logger.error("streaming finish failed in worker: %s", traceback.format_exc())
-            report = {"ok": False, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            self._wb_unmap_all()
-        report["worker_seconds"] = time.perf_counter() - t0
-        return report
-
-    @_exclusive
-    def wb_stream_abort(self) -> dict[str, Any]:
-        """End an open streaming reload after a failure: kernel tensors back in place (a mix of versions)."""
-        from vllm.config import set_current_vllm_config
-
-        session, self._wb_stream = self._wb_stream, None
-        if session is not None:
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                session.abort()
-        self._wb_unmap_all()
-        return {"ok": True, "rank": self._wb_state.tp_rank if self._wb_state else -1, "aborted": session is not None}
-
-    def _wb_unmap_all(self) -> None:
-        for seg, _ in self._wb_stream_segments or []:
-            seg.close()
-        self._wb_stream_segments = None
-        self._wb_prune()
-
-    # ---- benchmark baseline ---------------------------------------------------------------------
-    def wb_baseline_reload(self, seed: int) -> dict[str, Any]:
-        """The benchmark's baseline B: vLLM's own in-process ``reload_weights`` from a list of tensors
-        that already sit in this worker (made here from ``seed``, untimed). Returns the reload's seconds."""
-        import torch
-
-        from bridge.checkpoint import read_tensor_table
-
-        table = read_tensor_table(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
-        dtype = _torch_dtype(self.vllm_config.model_config.dtype.__str__().removeprefix("torch."))  # type: ignore[attr-defined]
-        gen = torch.Generator().manual_seed(seed)
-        tensors = []
-        for name, entry in table.items():
-            noise = torch.randn(entry.shape, generator=gen, dtype=torch.float32)
-            value = 1.0 + 0.1 * noise if "norm" in name and len(entry.shape) == 1 else 0.05 * noise
-            tensors.append((name, value.to(dtype if entry.dtype in ("bfloat16", "float16", "float32") else _torch_dtype(entry.dtype))))
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        t0 = time.perf_counter()
-        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
-        return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
-
-    def _wb_test_only_fail(self, tensors: list[list[Any]]) -> str | None:
-        """The armed test-only failure if its tensor is in this bucket (then disarmed), else None."""
-        name = self._wb_fail_once
-        if name is None or all(t[0] != name for t in tensors):
-            return None
-        self._wb_fail_once = None
-        return name
-
-    def wb_test_only_arm_failure(self, name: str) -> str:
-        """Test-only: make the next update raise on this rank when it reaches tensor ``name``."""
-        self._wb_fail_once = name
-        return name
 
     # ---- inspection (tests, health) -------------------------------------------------------------
     def wb_read(self, paths: list[str]) -> dict[str, list[float]]:
@@ -347,39 +264,3 @@ class WeightSyncWorker:
     def wb_bypass(self) -> list[str]:
         return sorted(self._wb_state.bypass) if self._wb_state else []
 
-
-def _views(seg: Segment, tensors: list[list[Any]]) -> list[tuple[str, Any]]:
-    import torch
-
-    out = []
-    for name, dtype, shape, offset, nbytes in tensors:
-        raw = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
-        out.append((name, raw.view(_torch_dtype(dtype)).view(tuple(shape))))
-    return out
-
-
-def _load_views(session: ReloadSession, views: list[tuple[str, Any]], fail_at: str | None = None) -> None:
-    """Load the views of one bucket (a function, so no loop variable outlives it and pins a mapping).
-    ``fail_at``: test-only, raise when that tensor is reached."""
-    if fail_at is not None and any(name == fail_at for name, _ in views):
-        for name, tensor in views:
-            if name == fail_at:
-                raise RuntimeError(f"test-only injected failure while loading {name}")
-            session.load(name, tensor)
-        return
-    session.load_many(views)
-
-
-def _unmapped(seg: Segment, storages: list[Any]) -> bool:
-    """Unmap ``seg`` once no tensor views it any more: vLLM's layerwise reload keeps a layer's tensors
-    until the layer is complete, and ``torch.frombuffer`` views do not pin the mapping (closing it under
-    a live view would leave the view reading unmapped memory). A storage referenced only by ``storages``
-    has a use count of 1."""
-    import torch
-
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None or any(use_count(st._cdata) > 1 for st in storages):
-        return False
-    storages.clear()
-    seg.close()
-    return True

@@ -93,7 +93,7 @@ def shutdown() -> None:
 
 
 class ModelWorker(WeightSyncWorker):
-    """The worker extension on an in-process model: ``wb_setup`` / ``wb_apply`` are the engine's own code."""
+    """The worker extension on an in-process model: ``wb_setup`` and the update calls are the engine's own code."""
 
     def __init__(self, model: Any, vllm_config: Any) -> None:
         self.model_runner = SimpleNamespace(get_model=lambda: model)
@@ -101,7 +101,8 @@ class ModelWorker(WeightSyncWorker):
 
 
 def apply(worker: ModelWorker, tensors: dict[str, Any], **options: Any) -> dict[str, Any]:
-    """Stage ``tensors`` in one shared-memory bucket and apply them as one update (as the receiver does)."""
+    """Stage ``tensors`` in one shared-memory bucket and apply them as one update through the worker's
+    ``wb_begin`` / ``wb_load`` / ``wb_finish`` (as the engine does); the rank's report as a dict."""
     import torch
 
     from bridge.shm import Segment
@@ -118,7 +119,14 @@ def apply(worker: ModelWorker, tensors: dict[str, Any], **options: Any) -> dict[
             specs.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
             offset += nbytes
         del out
-        return worker.wb_apply([{"segment": segment.name, "size": total, "tensors": specs}], dict(options))
+        begun = worker.wb_begin([name for name, _ in items], dict(options))
+        if not begun.ok:
+            return begun.to_dict()
+        loaded = worker.wb_load({"segment": segment.name, "size": total, "tensors": specs})
+        if not loaded.ok:
+            worker.wb_abort()
+            return loaded.to_dict()
+        return worker.wb_finish().to_dict()
     finally:
         segment.close()
 

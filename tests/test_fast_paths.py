@@ -10,7 +10,7 @@ from bridge import wire
 from bridge.checksums import function, preferred
 from bridge.errors import ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
-from inference_side.receiver import verify_bucket
+from inference_side.verify import verify_bucket
 from trainer_side.packing import make_plan, pack_bucket, plan_specs
 
 FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
+from bridge.report import FailureKind
 from tests.conftest import ROOT, assert_same_outputs, child_env, generate, oracle
+from tests.fault_worker import FAULT_WORKER
 
 pytestmark = pytest.mark.engine
 
@@ -128,7 +130,8 @@ def engine(ray_session: Any, checkpoints: Any) -> Any:
     from inference_side import InferenceActor
 
     actor = InferenceActor.options(max_restarts=1).remote(  # type: ignore[attr-defined]
-        model=str(checkpoints("tiny", 1)), tensor_parallel_size=1, dtype="bfloat16", config=CONFIG, name="fault-engine")
+        model=str(checkpoints("tiny", 1)), tensor_parallel_size=1, dtype="bfloat16", config=CONFIG, name="fault-engine",
+        worker_extension_cls=FAULT_WORKER)
     ray_session.get(actor.endpoint.remote(), timeout=600)
     state = {"actor": actor, "v1_outputs": generate(actor)}
     oracle([checkpoints("tiny", 2), checkpoints("tiny", 3)], 1, "bfloat16")  # one cold-load process for both
@@ -326,11 +329,12 @@ def test_worker_failure_without_host_copy_degrades_until_a_complete_version(engi
     actor = engine["actor"]
     endpoint = ray.get(actor.endpoint.remote())
     version, _ = _served(actor)
-    assert ray.get(actor.test_only_arm_load_failure.remote(FAIL_AT)) == [FAIL_AT]
+    assert ray.get(actor.collective_rpc.remote("wb_arm_failure", (FAIL_AT,))) == [FAIL_AT]
     with WeightPublisher([endpoint], config=_config()) as pub:
         with pytest.raises(UpdateFailed) as info:
             pub.publish(_weights(2), version=version + 1)
         reason = info.value.reasons[endpoint]
+        assert info.value.kinds[endpoint] == FailureKind.LOAD, info.value.kinds
         assert reason == f"rank 0: RuntimeError: test-only injected failure while loading {FAIL_AT}", reason
         served, degraded = _served(actor)
         assert served == version  # loading had begun: the version did not advance ...
@@ -403,7 +407,7 @@ def hc_engine(ray_session: Any, checkpoints: Any) -> Any:
 
     cfg = dict(CONFIG, sync={"host_copy": True})
     actor = InferenceActor.remote(model=str(checkpoints("tiny", 1)), tensor_parallel_size=2, dtype="bfloat16",
-                                  config=cfg, name="host-copy-engine")
+                                  config=cfg, name="host-copy-engine", worker_extension_cls=FAULT_WORKER)
     ray_session.get(actor.endpoint.remote(), timeout=600)
     yield actor
     ray_session.get(actor.shutdown.remote(), timeout=60)
@@ -422,10 +426,11 @@ def test_worker_failure_with_host_copy_rolls_back_tp2(hc_engine: Any, checkpoint
     with WeightPublisher([endpoint], config=_config()) as pub:
         assert pub.publish(_weights(2), version=2).ok  # the host copy now holds v2 (received over the wire)
         v2 = generate(actor)
-        assert ray.get(actor.test_only_arm_load_failure.remote(FAIL_AT)) == [FAIL_AT, FAIL_AT]
+        assert ray.get(actor.collective_rpc.remote("wb_arm_failure", (FAIL_AT,))) == [FAIL_AT, FAIL_AT]
         with pytest.raises(UpdateFailed) as info:
             pub.publish(_weights(3), version=3)
         reason = info.value.reasons[endpoint]
+        assert info.value.kinds[endpoint] == FailureKind.LOAD, info.value.kinds
         failure = f"RuntimeError: test-only injected failure while loading {FAIL_AT}"
         assert reason == (f"rank 0: {failure} | rank 1: {failure} "
                           "(rolled back from the host copy: the engine serves version 2)"), reason

@@ -1,6 +1,6 @@
 """Issue 3, model-class level: every vLLM 0.32 model class with attention sinks that can be built on CPU is
-constructed from a tiny config, loaded, and updated twice through the worker extension (``wb_setup`` /
-``wb_apply``: vLLM's real layerwise reload driven by our ReloadSession). After each update the sinks (and
+constructed from a tiny config, loaded, and updated twice through the worker extension (``wb_setup``,
+``wb_begin``/``wb_load``/``wb_finish``: vLLM's real layerwise reload driven by our ReloadSession). After each update the sinks (and
 tensors the model writes behind its loaders) hold the new values, padded heads stay -inf, no storage moved.
 With the router off, direct-copy writers fail through the audit naming the stale sink; loader-based
 writers keep working. Support levels are summarised in docs/model_support.md.
@@ -511,7 +511,7 @@ def test_sink_tp_shards_through_real_reload(model_id: str, rank: int, gpt_oss_ck
             session.load(name, sinks)
             report = session.finish()
         now = model.get_parameter(path).data
-        assert report["routed_sinks"] == [path]
+        assert report.routed_sinks == (path,)
         assert torch.equal(now[:n], sinks[n * rank: n * rank + n])
         assert bool(torch.isneginf(now[n:]).all()), now.tolist()
         assert now.data_ptr() == ptr

@@ -11,7 +11,7 @@ import torch
 
 from bridge import wire
 from bridge.errors import ChecksumError, ManifestError, NonFiniteError, WireError
-from inference_side.receiver import verify_bucket
+from inference_side.verify import verify_bucket
 from trainer_side.packing import PackPlan, dtype_name, iter_named, make_plan, pack_bucket, plan_specs
 
 

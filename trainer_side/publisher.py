@@ -21,7 +21,7 @@ from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
 from bridge.served import conflict_reason, differing, published_sums
 from bridge.shm import sweep_orphans
-from bridge.transports import COLLECTIVE_BACKENDS, send_plane
+from bridge.transports import send_plane
 from bridge.transports.base import OutgoingBucket, SendPlane
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
 
@@ -133,9 +133,7 @@ class WeightPublisher:
     def _plane(self) -> SendPlane:
         plane = self._planes.get(self.transport)
         if plane is None:
-            tcfg = self.config.transport
-            options = {"host": tcfg.collective_host, "timeout_s": self.config.deadlines.connect_s} if self.transport in COLLECTIVE_BACKENDS else {}
-            plane = self._planes[self.transport] = send_plane(self.transport, **options)
+            plane = self._planes[self.transport] = send_plane(self.transport, self.config)
         plane.configure(self.config.transport.depth)
         return plane
 

@@ -1,6 +1,6 @@
-"""The data-plane interface. A send plane gives the publisher a buffer to pack a bucket into and
-turns it into what travels; the receiver side turns what arrived into a shared-memory segment
-that every TP worker on the host maps in place.
+"""The data-plane interface: each transport owns both ends. A ``SendPlane`` gives the publisher a buffer
+to pack a bucket into and turns it into what travels; a ``LandPlane`` turns what arrived at a receiver
+into a shared-memory segment that every TP worker on the host maps in place.
 
 A plane lives as long as its publisher: buffers are reused from one update to the next, because on
 this kind of machine writing into fresh pages (first touch) costs several times a warm copy."""
@@ -8,8 +8,16 @@ this kind of machine writing into fresh pages (first touch) costs several times 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from bridge.errors import WireError
+
+if TYPE_CHECKING:
+    from bridge import wire
+    from bridge.config import BridgeConfig
+    from bridge.shm import Segment
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,11 @@ class OutgoingBucket:
 
 class SendPlane(ABC):
     kind: str = ""
+
+    @classmethod
+    def from_config(cls, config: BridgeConfig) -> SendPlane:
+        """A new plane for a publisher with ``config`` (planes that need settings read them here)."""
+        return cls()
 
     def configure(self, depth: int) -> None:  # noqa: B027 - optional hook
         """Told the number of buckets in flight per receiver before each update."""
@@ -69,3 +82,66 @@ class SendPlane(ABC):
     def close(self) -> None:
         """Free everything (the publisher closes)."""
         self.release()
+
+
+@dataclass
+class Landed:
+    """Bucket ``index`` of ``version`` from publisher ``identity`` finished landing in ``segment`` after
+    its header was handled (a collective receive); ``error`` non-empty: it did not."""
+
+    identity: bytes
+    version: int
+    index: int
+    segment: Segment
+    error: str = ""
+
+
+class LandPlane(ABC):
+    """The receiving end of a transport, owned by one receiver (driven from its single socket thread).
+
+    For each bucket header of an update over this transport, ``land`` returns the segment that holds the
+    bucket's bytes, or None when they arrive later (then a later ``poll`` returns them as ``Landed``)."""
+
+    kind: str = ""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        self.config = config
+
+    def offer(self, identity: bytes, offer: wire.LinkOffer) -> None:
+        """A publisher invites this receiver into a link (collective planes only). Raises BridgeError."""
+        raise WireError(f"transport {self.kind} takes no link offers")
+
+    def begin(self, identity: bytes) -> None:  # noqa: B027 - optional hook
+        """An update from ``identity`` over this plane begins: raise TransportError if it cannot arrive."""
+
+    @abstractmethod
+    def land(self, identity: bytes, version: int, header: wire.BucketHeader, frames: list[Any], size: int,
+             take: Callable[[int], Segment]) -> Segment | None:
+        """Land bucket ``header.index`` (``size`` bytes; ``frames``: the ZMQ frames after its header) into a
+        segment: one of the publisher's, or one from ``take(size)``. Raises WireError or TransportError
+        naming what is wrong (then no segment of ``take`` stays open)."""
+
+    @property
+    def busy(self) -> bool:
+        """Buckets are landing in the background (the receiver polls more often)."""
+        return False
+
+    def poll(self) -> list[Landed]:
+        """Buckets that finished landing (or failed) since the last poll, in the order announced."""
+        return []
+
+    def pending_for(self, identity: bytes) -> bool:
+        """Buckets of ``identity`` are still landing."""
+        return False
+
+    def tick(self) -> None:  # noqa: B027 - optional hook
+        """Called about every loop of the receiver: housekeeping."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The receiver stops: free everything."""
+
+
+def no_segment_name(kind: str, header: wire.BucketHeader) -> None:
+    """A bucket header of a transport whose bytes do not lie in a publisher's segment names none."""
+    if header.segment:
+        raise WireError(f"bucket {header.index} names a shared-memory segment but the manifest's transport is {kind}, not shm")

@@ -9,7 +9,7 @@ Every operation waits at most ``timeout_s`` and raises :class:`TransportError` n
 The publisher's :class:`CollectiveSendPlane` (``transport.kind: gloo`` or ``nccl``) offers each receiver
 a rank over ZMQ (``wire.LinkOffer``), joins, and then sends every bucket point to point right after its
 ZMQ header; control messages stay on ZMQ. The link lives across updates and is rebuilt after any update
-that failed. The receiving end is inference_side/collective_inbox.py.
+that failed. The receiving end is collective_inbox.py.
 """
 
 from __future__ import annotations
@@ -18,14 +18,18 @@ import logging
 import socket
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge import wire
 from bridge.errors import ConfigError, TransportError
+from bridge.transports import COLLECTIVE
 from bridge.transports.base import OutgoingBucket, SendPlane
 
+if TYPE_CHECKING:
+    from bridge.config import BridgeConfig
+
 logger = logging.getLogger(__name__)
-BACKENDS = ("gloo", "nccl")
+BACKENDS = COLLECTIVE
 STORE_PREFIX = "weight-bridge"
 
 
@@ -139,6 +143,10 @@ class CollectiveSendPlane(SendPlane):
     send out of it completed. Any failed update drops the link; the next update offers a new one."""
 
     kind = backend = "gloo"
+
+    @classmethod
+    def from_config(cls, config: BridgeConfig) -> SendPlane:
+        return cls(host=config.transport.collective_host, timeout_s=config.deadlines.connect_s)
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
         self.host, self.timeout_s = host, timeout_s

@@ -13,10 +13,19 @@ them, so the next update writes into fresh segments; ``close`` unlinks them."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from bridge.shm import Segment
-from bridge.transports.base import OutgoingBucket, SendPlane
+from bridge.errors import WireError
+from bridge.shm import AttachCache, Segment
+from bridge.transports.base import LandPlane, OutgoingBucket, SendPlane
+
+if TYPE_CHECKING:
+    from bridge import wire
+    from bridge.config import BridgeConfig
+
+PRUNE_EVERY_S = 1.0
 
 
 class ShmSendPlane(SendPlane):
@@ -77,3 +86,30 @@ class ShmSendPlane(SendPlane):
         for seg in self._all:
             seg.close()
         self._all, self._free, self._use, self._reused = [], [], {}, set()
+
+
+class ShmLandPlane(LandPlane):
+    """The bytes lie in the publisher's segment, named by the header: mapped once and kept (segments whose
+    file is gone are unmapped about once a second)."""
+
+    kind = "shm"
+
+    def __init__(self, config: BridgeConfig) -> None:
+        super().__init__(config)
+        self._attached = AttachCache()
+        self._pruned = 0.0
+
+    def land(self, identity: bytes, version: int, header: wire.BucketHeader, frames: list[Any], size: int,
+             take: Callable[[int], Segment]) -> Segment | None:
+        if not header.segment:
+            raise WireError(f"bucket {header.index}: the transport is shm but its header names no segment")
+        return self._attached.attach(header.segment, size)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if len(self._attached) and now - self._pruned >= PRUNE_EVERY_S:
+            self._pruned = now
+            self._attached.prune()
+
+    def close(self) -> None:
+        self._attached.close()

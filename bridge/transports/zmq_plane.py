@@ -6,9 +6,15 @@ a slot still held after ``WAIT_S`` (a slow or dead receiver) is abandoned to ZMQ
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from bridge.transports.base import OutgoingBucket, SendPlane
+from bridge.errors import WireError
+from bridge.transports.base import LandPlane, OutgoingBucket, SendPlane, no_segment_name
+
+if TYPE_CHECKING:
+    from bridge import wire
+    from bridge.shm import Segment
 
 WAIT_S = 1.0
 
@@ -70,3 +76,19 @@ def _settled(trackers: list[Any], timeout_s: float) -> bool:
         if not tracker.done:
             return False
     return True
+
+
+class ZmqLandPlane(LandPlane):
+    """The bytes came as the one frame after the header: copied into a receive segment."""
+
+    kind = "zmq"
+
+    def land(self, identity: bytes, version: int, header: wire.BucketHeader, frames: list[Any], size: int,
+             take: Callable[[int], Segment]) -> Segment | None:
+        no_segment_name(self.kind, header)
+        if len(frames) != 1 or len(frames[0].buffer) != size:
+            got = len(frames[0].buffer) if frames else 0
+            raise WireError(f"bucket {header.index}: {got} bytes arrived, manifest says {size} (truncated?)")
+        segment = take(size)
+        segment.buffer[:size] = frames[0].buffer
+        return segment

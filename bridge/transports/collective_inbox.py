@@ -1,4 +1,5 @@
-"""The receiving end of the collective data plane (``transport.kind: gloo`` / ``nccl``).
+"""The receiving end of the collective data plane (``transport.kind: gloo`` / ``nccl``); the sending end
+is collective_plane.py.
 
 A publisher offers a link over ZMQ (``wire.LinkOffer``); the inbox joins it on a helper thread (the
 rendezvous blocks until every rank joined) and keeps it across updates, one link per publisher. For each
@@ -15,13 +16,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge import wire
-from bridge.errors import TransportError
+from bridge.errors import TransportError, WireError
 from bridge.shm import Segment
+from bridge.transports.base import Landed, LandPlane, no_segment_name
+
+if TYPE_CHECKING:
+    from bridge.config import BridgeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +179,53 @@ class CollectiveInbox:
             recv.segment.close()
         self._pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class CollectiveLandPlane(LandPlane):
+    """Buckets arrive over a link the publisher offered (one per publisher, kept across updates)."""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        super().__init__(config)
+        self._inbox = CollectiveInbox(config.deadlines.connect_s, config.deadlines.bucket_s, config.transport.bind_host)
+
+    def offer(self, identity: bytes, offer: wire.LinkOffer) -> None:
+        self._inbox.offer(identity, offer)
+
+    def begin(self, identity: bytes) -> None:
+        if not self._inbox.has_link(identity):
+            raise TransportError(f"transport {self.kind} needs a collective link, and this publisher offered none "
+                                 "(or it was dropped after a failure)")
+
+    def land(self, identity: bytes, version: int, header: wire.BucketHeader, frames: list[Any], size: int,
+             take: Callable[[int], Segment]) -> Segment | None:
+        no_segment_name(self.kind, header)
+        if frames:
+            raise WireError(f"bucket {header.index}: bytes arrived as a ZMQ frame, but the transport is {self.kind}")
+        segment = take(size)
+        try:
+            self._inbox.post(identity, version, header.index, segment, size)
+        except BaseException:
+            segment.close()
+            raise
+        return None
+
+    @property
+    def busy(self) -> bool:
+        return self._inbox.busy
+
+    def poll(self) -> list[Landed]:
+        return [Landed(r.identity, r.version, r.index, r.segment, r.error) for r in self._inbox.poll()]
+
+    def pending_for(self, identity: bytes) -> bool:
+        return self._inbox.pending_for(identity)
+
+    def close(self) -> None:
+        self._inbox.close()
+
+
+class GlooLandPlane(CollectiveLandPlane):
+    kind = "gloo"
+
+
+class NcclLandPlane(CollectiveLandPlane):
+    kind = "nccl"

@@ -1,0 +1,60 @@
+"""``sync.host_copy``: the served weights kept in host memory, so a staged update that fails after loading
+began can be rolled back instead of leaving the engine degraded.
+
+The copy holds every tensor in checkpoint names, as the engine would receive it (floats in its dtype):
+one full model in RAM. It is taken from the checkpoint at start and refreshed from each applied update's
+staged buckets."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from bridge import wire
+from bridge.shm import Segment
+from inference_side.contract import StagedBucket
+
+logger = logging.getLogger(__name__)
+
+
+class HostCopy:
+    def __init__(self, model_path: str, dtype: str) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        self.tensors: dict[str, Any] = {}
+        for path in sorted(Path(model_path).glob("*.safetensors")):
+            for name, tensor in load_file(str(path)).items():
+                self.tensors[name] = tensor.to(getattr(torch, dtype)) if tensor.is_floating_point() else tensor
+        logger.info("host copy of %d tensors", len(self.tensors))
+
+    def keep(self, buckets: list[StagedBucket]) -> None:
+        """Replace the copies of the tensors these (applied) buckets carried."""
+        import torch
+
+        for bucket in buckets:
+            for spec in bucket.specs:
+                raw = torch.frombuffer(bucket.segment.buffer, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset) \
+                    if spec.nbytes else torch.empty(0, dtype=torch.uint8)
+                self.tensors[spec.name] = raw.clone().view(getattr(torch, spec.dtype)).view(spec.shape)
+
+    def bucket(self, manifest: wire.Manifest) -> StagedBucket:
+        """One bucket, in a new segment, holding the copy of every tensor of ``manifest``: what to load to
+        undo that update. The caller closes ``bucket.segment``."""
+        import torch
+
+        specs, values, offset = [], [], 0
+        for spec in manifest.tensors:
+            value = self.tensors[spec.name].contiguous()
+            nbytes = value.numel() * value.element_size()
+            specs.append(wire.TensorSpec(spec.name, str(value.dtype).removeprefix("torch."), tuple(value.shape), 0, offset, nbytes))
+            values.append(value)
+            offset += nbytes
+        segment = Segment.create("restore", offset)
+        out = torch.frombuffer(segment.mm, dtype=torch.uint8, count=offset) if offset else torch.empty(0, dtype=torch.uint8)
+        for spec, value in zip(specs, values, strict=True):
+            if spec.nbytes:
+                out[spec.offset:spec.offset + spec.nbytes].copy_(value.view(-1).view(torch.uint8))
+        del out
+        return StagedBucket(0, segment, specs)

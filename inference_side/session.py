@@ -1,0 +1,91 @@
+"""One publisher's update as the receiver holds it, from its manifest to the engine's answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from bridge import wire
+from bridge.report import ApplyResult, LoadResult
+from bridge.shm import Segment, SegmentPool
+from inference_side.contract import StagedBucket
+
+REFUSED_KEEP = 1024  # publishers remembered (the most recent): a refused update's late buckets, a checked no-op
+
+
+@dataclass
+class Session:
+    identity: bytes
+    manifest: wire.Manifest
+    started: float
+    last_seen: float
+    streaming: bool = False  # buckets go to the engine as they are verified (sync.mode: streaming)
+    buckets: dict[int, StagedBucket] = field(default_factory=dict)  # verified, not yet loaded
+    pending: Future[ApplyResult] | None = None  # the engine's finish (after every load)
+    apply_started: float = 0.0
+    overdue: bool = False  # the publisher was told the apply deadline passed; no second ack
+    last_ping: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_in: int = 0
+    # streaming: buckets are loaded in order on the apply thread; a bucket's credit goes back once it is
+    # loaded, so at most ``transport.depth`` are held here
+    loads: list[tuple[int, Future[LoadResult]]] = field(default_factory=list)
+    loaded: set[int] = field(default_factory=set)
+    held: frozenset[str] = frozenset()  # receive segments the engine still maps (its last LoadResult)
+    on_abort: Callable[[str], None] | None = None  # set while the update is open in the engine and not finishing
+    lent: list[Segment] = field(default_factory=list)  # loaded receive segments a worker may still map
+    spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
+    ended: wire.End | None = None  # End arrived while buckets were still landing
+    checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still landing
+    unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
+    verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
+    sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
+
+    def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
+        """End the session (the engine's open update is aborted with ``reason``); with ``pool``, receive
+        segments no worker can still map go back to it."""
+        idle = self.on_abort is None and all(f.done() for _, f in self.loads) and (self.pending is None or self.pending.done())
+        for seg in [b.segment for b in self.buckets.values()] + self.lent:
+            if pool is not None and idle and seg.owner:
+                pool.give(seg)
+            else:
+                seg.close()
+        for seg in self.spare:  # not mapped by any worker (see SyncReceiver._receive_segment)
+            pool.give(seg) if pool is not None else seg.close()
+        self.buckets.clear()
+        self.lent.clear()
+        self.spare.clear()
+        abort, self.on_abort = self.on_abort, None
+        if abort is not None:
+            abort(reason)
+
+    def receive_segment(self, size: int, pool: SegmentPool) -> Segment:
+        """A receive segment for the next bucket: in streaming, a spare one that no worker maps any more (its
+        pages are already faulted in); else, or when none fits, one from ``pool``."""
+        if not self.streaming:
+            return pool.take(size)
+        for seg in [s for s in self.lent if s.name not in self.held]:
+            self.lent.remove(seg)
+            self.spare.append(seg)
+        fits = [s for s in self.spare if s.size >= size]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            self.spare.remove(seg)
+            return seg
+        return pool.take(size)
+
+    def released(self) -> tuple[int, ...]:
+        """Loaded shm buckets whose segment no worker maps any more, not yet told to the publisher."""
+        released = tuple(i for i, name in self.unreleased.items() if name not in self.held)
+        for index in released:
+            del self.unreleased[index]
+        return released
+
+
+def remember(seen: dict[bytes, int], identity: bytes, version: int) -> None:
+    """Note ``version`` for publisher ``identity``, keeping the most recent REFUSED_KEEP publishers."""
+    seen.pop(identity, None)
+    seen[identity] = version
+    while len(seen) > REFUSED_KEEP:  # a long run meets many publishers: keep the latest
+        seen.pop(next(iter(seen)))
