@@ -1,19 +1,15 @@
-"""Shared fixtures: a real local Ray, real engines (one per module), trainer processes, the oracle."""
+"""Shared fixtures and pytest hooks: receivers in this process, a real local Ray, checkpoints. Helpers
+(paths, child processes, weights, manifests, the oracle) are in tests/helpers.py, the engine fake in
+tests/fakes.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 300, 400]]
-ARTIFACTS = ROOT / "artifacts"
+from tests.helpers import ROOT
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -26,18 +22,11 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)"))
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.update(extra)
-    return env
-
-
 @pytest.fixture
 def start_receiver() -> Any:
     """start(config, gate, events=None) -> a running SyncReceiver in this process with ``gate`` behind it
-    (``events`` collects its (kind, data) events); every one started is stopped after the test."""
+    (``events`` collects its (kind, data) events); every one started is stopped after the test, and a
+    ``FakeEngine`` behind one must have seen the engine contract kept (no ``violations``)."""
     from inference_side.receiver import SyncReceiver
 
     made: list[Any] = []
@@ -51,6 +40,8 @@ def start_receiver() -> Any:
     yield start
     for rx in made:
         rx.stop()
+    broken = {rx.endpoint: rx.gate.violations for rx in made if getattr(rx.gate, "violations", None)}
+    assert not broken, f"the receiver broke the engine contract: {broken}"
 
 
 @pytest.fixture(scope="session")
@@ -78,49 +69,3 @@ def checkpoints(tmp_path_factory: Any) -> Any:
         return cache[key]
 
     return make
-
-
-_ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
-
-
-def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
-    """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (one subprocess)."""
-    from bridge.coldload import cold_outputs
-
-    todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
-    if todo:
-        for model, outs in cold_outputs(todo, tp, dtype, prompts, env=child_env()).items():
-            _ORACLE_CACHE[(model, tp, dtype)] = outs
-    return [_ORACLE_CACHE[(str(m), tp, dtype)] for m in models]
-
-
-def run_trainer(endpoint: str, kind: str, seeds: list[int], first_version: int, save_dir: Path | None = None,
-                transport: str | None = None, config: str | None = None, timeout: float = 600) -> list[dict[str, Any]]:
-    """Publish from a separate trainer process; return its JSON report lines."""
-    cmd = [sys.executable, "-m", "trainer_side.job", "--endpoint", endpoint, "--kind", kind, "--version", str(first_version)]
-    for s in seeds:
-        cmd += ["--seed", str(s)]
-    if save_dir:
-        cmd += ["--save-dir", str(save_dir)]
-    if transport:
-        cmd += ["--transport", transport]
-    if config:
-        cmd += ["--config", config]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=timeout, cwd=ROOT)
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert lines, f"trainer printed nothing (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
-    return lines
-
-
-def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: float = 1e-5) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g["token_ids"] == w["token_ids"], f"prompt {i}: tokens {g['token_ids']} != cold-loaded {w['token_ids']}"
-        for j, (a, b) in enumerate(zip(g["logprobs"], w["logprobs"], strict=True)):
-            assert abs(a - b) <= tol, f"prompt {i} token {j}: logprob {a} != cold-loaded {b}"
-
-
-def generate(actor: Any, prompts: list[list[int]] = PROMPTS) -> list[dict[str, Any]]:
-    import ray
-
-    return ray.get(actor.generate.remote(prompts, max_tokens=8, logprobs=1))

@@ -11,7 +11,6 @@ same placeholder for ``torch.cuda.Event``, which DeepSeek V4's attention creates
 from __future__ import annotations
 
 import json
-import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,14 +19,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from inference_side.worker_ext import WeightSyncWorker
+from tests.helpers import free_port
 
 _DIST: dict[str, bool] = {"ready": False}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SpecConfig(SimpleNamespace):

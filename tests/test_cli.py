@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -15,8 +14,8 @@ import pytest
 
 from bridge.dashboard import DashboardService
 from bridge.metrics import MetricsHub
-from tests.conftest import ROOT, child_env
 from tests.dashboard_fixtures import ok_record, sample_records, status
+from tests.helpers import ROOT, child_env, free_port
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -51,12 +50,6 @@ def test_top_level_help_lists_every_subcommand() -> None:
 def test_serve_rejects_unknown_options() -> None:
     proc = cli("serve", "--bogus")
     assert proc.returncode == 2 and "--bogus" in proc.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_preloads_records_from_jsonl(tmp_path: Path) -> None:

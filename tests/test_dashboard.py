@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.dashboard import DashboardService, NamedActorSource, Poller
 from bridge.metrics import MetricsHub
-from tests.conftest import ARTIFACTS
 from tests.dashboard_fixtures import STALE_TENSOR, ok_record, sample_hub, sample_records, status
+from tests.helpers import ARTIFACTS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",

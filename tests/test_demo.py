@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, child_env
+from tests.helpers import ROOT, child_env
 
 pytestmark = pytest.mark.engine
 

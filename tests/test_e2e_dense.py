@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bridge import wire
-from tests.conftest import assert_same_outputs, generate, oracle, run_trainer
+from tests.helpers import assert_same_outputs, generate, oracle, run_trainer
 from tests.rawclient import RawClient
 
 pytestmark = pytest.mark.engine

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from bridge.report import FailureKind
-from tests.conftest import ROOT, assert_same_outputs, child_env, generate, oracle
 from tests.fault_worker import FAULT_WORKER
+from tests.helpers import ROOT, assert_same_outputs, child_env, free_port, generate, oracle, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -44,16 +44,6 @@ def _weights(seed: int) -> list[tuple[str, Any]]:
     from bridge.tiny_models import build_model
 
     return list(build_model("tiny", seed).named_parameters())
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @contextmanager
@@ -203,13 +193,9 @@ class Proxy:
     """tests/tcpproxy.py as a process between the publisher and the engine."""
 
     def __init__(self, target: str) -> None:
-        import socket
-
         host, _, port = target.removeprefix("tcp://").rpartition(":")
         self.target = (host, int(port))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.proc: subprocess.Popen[str] | None = None
         self.start()
 

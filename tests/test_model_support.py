@@ -364,7 +364,7 @@ def gpt_oss_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     import subprocess
     import sys
 
-    from tests.conftest import child_env
+    from tests.helpers import child_env
 
     # in a child process: transformers' model code in this process may already carry vLLM's kernel hooks
     root = tmp_path_factory.mktemp("gptoss")

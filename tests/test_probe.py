@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_trainer
+from tests.helpers import run_trainer
 
 pytestmark = pytest.mark.engine
 

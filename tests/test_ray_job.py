@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, child_env
+from tests.helpers import ROOT, child_env, free_port
 
 pytestmark = pytest.mark.engine
 
@@ -36,12 +35,6 @@ ACTOR = "engine-rayjob"
 ACTORS = [ACTOR, f"{ACTOR}-1"]  # --engines 2: the job names the second engine NAME-1
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # Ray 2.60 turns token authentication on for `ray start` whenever ~/.ray/auth_token exists (any earlier
@@ -109,10 +102,10 @@ def _stop_head(temp_dir: str) -> None:
 @pytest.fixture(scope="module")
 def head() -> Any:
     temp_dir = tempfile.mkdtemp(prefix="wbrj-", dir="/tmp")  # short: Ray puts unix sockets under it
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
            "--num-cpus=2", "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-           f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}"]
+           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
     proc = subprocess.run(cmd, env=_ray_env(), capture_output=True, text=True, timeout=300)
     try:
         assert proc.returncode == 0, f"ray start failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
@@ -128,7 +121,7 @@ def _get_json(url: str) -> Any:
 
 
 def _start_dashboard(gcs: str) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "bridge.cli", "serve", "--port", str(port), "--ray-address", gcs,
            *[arg for name in ACTORS for arg in ("--actor", name)], "--poll-interval", "0.5"]
     proc = subprocess.Popen(cmd, env=_ray_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
@@ -137,7 +130,7 @@ def _start_dashboard(gcs: str) -> tuple[subprocess.Popen[str], str]:
 
 def _render_dashboard(url: str) -> Any:
     """The live dashboard in headless Chromium after the job's syncs: its DOM, and a screenshot artefact."""
-    from tests.conftest import ARTIFACTS
+    from tests.helpers import ARTIFACTS
     from tests.test_dashboard import CHROMIUM, DomParser, chromium
 
     if not CHROMIUM.exists():
@@ -237,7 +230,7 @@ def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
     """Headless Chromium on the dashboard that followed the job, while the job lingers after its last
     step: both engines listed at the last version and healthy, no alert, one latency, throughput and probe
     point per sync of each engine, and a screenshot kept as artifacts/dashboard-live.png."""
-    from tests.conftest import ARTIFACTS
+    from tests.helpers import ARTIFACTS
 
     page = job["page"]
     if page is None:

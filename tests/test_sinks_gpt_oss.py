@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import assert_same_outputs, generate, oracle, run_trainer
+from tests.helpers import assert_same_outputs, generate, oracle, run_trainer
 
 pytestmark = pytest.mark.engine
 

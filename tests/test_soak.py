@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import assert_same_outputs, generate, oracle
+from tests.helpers import assert_same_outputs, generate, oracle
 
 pytestmark = [pytest.mark.engine, pytest.mark.soak]
 

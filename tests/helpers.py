@@ -1,0 +1,149 @@
+"""Helpers the tests share, written once: paths, child processes, free ports, small named weights, manifests,
+the engine oracle. A plain module (``from tests.helpers import ...``); fixtures and pytest hooks stay in
+tests/conftest.py, the engine stand-in is tests/fakes.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from bridge import wire
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 200, 300, 400]]
+ARTIFACTS = ROOT / "artifacts"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> Any:
+    """Poll ``pred`` until it returns something true (returned) or ``timeout`` seconds passed (AssertionError)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ---- weights and manifests ------------------------------------------------------------------------------
+
+def weights(seed: int, count: int = 6, shape: tuple[int, ...] | Callable[[int], tuple[int, ...]] = (64, 96),
+            name: str = "model.layers.{i}.mlp.down_proj.weight", dtype: str = "bfloat16",
+            poison: str = "") -> list[tuple[str, Any]]:
+    """``count`` named tensors drawn from ``torch.randn`` seeded with ``seed`` (one generator, in order),
+    cast to ``dtype``. ``name`` is formatted with the index ``i``; ``shape`` may depend on it. ``poison``
+    names a tensor that is all NaN instead."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        dims = shape(i) if callable(shape) else shape
+        out.append((name.format(i=i), torch.randn(*dims, generator=gen).to(getattr(torch, dtype))))
+    if poison:
+        out = [(n, torch.full_like(t, float("nan")) if n == poison else t) for n, t in out]
+    return out
+
+
+def spec(name: str = "model.norm.weight", dtype: str = "float32", shape: tuple[int, ...] = (4,), bucket: int = 0,
+         offset: int = 0, nbytes: int | None = None) -> wire.TensorSpec:
+    """A tensor's place in a bucket; ``nbytes`` defaults to what its shape and dtype take."""
+    if nbytes is None:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * wire.DTYPE_SIZES[dtype]
+    return wire.TensorSpec(name, dtype, shape, bucket, offset, nbytes)
+
+
+def manifest(tensors: Iterable[wire.TensorSpec] | None = None, sizes: Iterable[int] | None = None,
+             **fields: Any) -> wire.Manifest:
+    """A manifest of ``tensors`` in buckets of ``sizes`` (``version`` 3 unless given); without tensors, four
+    of mixed dtypes in two buckets."""
+    if tensors is None:
+        tensors = [
+            spec("model.embed_tokens.weight", "bfloat16", (8, 4), 0, 0),
+            spec("model.layers.0.mlp.weight", "float32", (4, 4), 0, 64),
+            spec("model.norm.weight", "float32", (4,), 1, 0),
+            spec("model.step", "int64", (), 1, 64),
+        ]
+        sizes = [128, 72]
+    return wire.Manifest(version=fields.pop("version", 3), tensors=tuple(tensors), bucket_sizes=tuple(sizes or ()),
+                         **fields)
+
+
+def plan_manifest(plan: Any, version: int = 1, **fields: Any) -> wire.Manifest:
+    """The manifest a publisher sends for a packing plan (trainer_side.packing.make_plan)."""
+    from trainer_side.packing import plan_specs
+
+    return wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes, **fields)
+
+
+# ---- engines: the oracle, trainers in their own process ------------------------------------------------
+
+_ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+
+
+def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
+    """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (one subprocess)."""
+    from bridge.coldload import cold_outputs
+
+    todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
+    if todo:
+        for model, outs in cold_outputs(todo, tp, dtype, prompts, env=child_env()).items():
+            _ORACLE_CACHE[(model, tp, dtype)] = outs
+    return [_ORACLE_CACHE[(str(m), tp, dtype)] for m in models]
+
+
+def run_trainer(endpoint: str, kind: str, seeds: list[int], first_version: int, save_dir: Path | None = None,
+                transport: str | None = None, config: str | None = None, timeout: float = 600) -> list[dict[str, Any]]:
+    """Publish from a separate trainer process; return its JSON report lines."""
+    cmd = [sys.executable, "-m", "trainer_side.job", "--endpoint", endpoint, "--kind", kind, "--version", str(first_version)]
+    for s in seeds:
+        cmd += ["--seed", str(s)]
+    if save_dir:
+        cmd += ["--save-dir", str(save_dir)]
+    if transport:
+        cmd += ["--transport", transport]
+    if config:
+        cmd += ["--config", config]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=timeout, cwd=ROOT)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert lines, f"trainer printed nothing (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    return lines
+
+
+def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["token_ids"] == w["token_ids"], f"prompt {i}: tokens {g['token_ids']} != cold-loaded {w['token_ids']}"
+        for j, (a, b) in enumerate(zip(g["logprobs"], w["logprobs"], strict=True)):
+            assert abs(a - b) <= tol, f"prompt {i} token {j}: logprob {a} != cold-loaded {b}"
+
+
+def generate(actor: Any, prompts: list[list[int]] = PROMPTS) -> list[dict[str, Any]]:
+    import ray
+
+    return ray.get(actor.generate.remote(prompts, max_tokens=8, logprobs=1))
