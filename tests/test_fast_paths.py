@@ -3,6 +3,8 @@ finiteness check, and send planes that reuse their buffers across updates."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from bridge.checksums import function, preferred
 from bridge.errors import ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
 from inference_side.verify import verify_bucket
+from tests.fakes import FakeEngine
+from tests.helpers import free_port, plan_manifest, wait_until
 from trainer_side.packing import make_plan, pack_bucket, plan_specs
 
 FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -70,7 +74,7 @@ def test_fast_checksum_manifest_round_trip_and_verify(algorithm: str) -> None:
     plan, tensors = make_plan(named, "bfloat16", 1 << 20)
     out = torch.empty(plan.bucket_sizes[0], dtype=torch.uint8)
     sums = pack_bucket(plan, tensors, 0, out, checksum=algorithm)
-    manifest = wire.Manifest(version=3, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes, checksum=algorithm)
+    manifest = plan_manifest(plan, version=3, checksum=algorithm)
     decoded = wire.decode(wire.encode(wire.Begin(manifest)))
     assert isinstance(decoded, wire.Begin) and decoded.manifest.checksum == algorithm
     header = wire.decode(wire.encode(wire.BucketHeader(version=3, index=0, checksums=tuple(sums))))
@@ -136,7 +140,7 @@ def test_zmq_plane_reuses_a_slot_only_after_zmq_let_go() -> None:
         held = plane.allocate(1, 1 << 20)
         stuck = ctx.socket(zmq.PUSH)  # connected to an endpoint nobody binds: ZMQ keeps the frame queued
         stuck.setsockopt(zmq.LINGER, 0)
-        stuck.connect(f"tcp://127.0.0.1:{_free_port()}")
+        stuck.connect(f"tcp://127.0.0.1:{free_port()}")
         plane.sent(1, stuck.send(plane.seal(1, held).frames[0], copy=False, track=True))
         fresh = plane.allocate(3, 1 << 20)  # same slot as bucket 1, still held by ZMQ: a new buffer
         assert fresh.data_ptr() != held.data_ptr()
@@ -146,66 +150,43 @@ def test_zmq_plane_reuses_a_slot_only_after_zmq_let_go() -> None:
         ctx.destroy(linger=0)  # closes every socket, also when an assertion failed
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- sync.checksum: none (the raw data plane) ---------------------------------------------------------
 
-class _Gate:
-    def __init__(self) -> None:
-        self.applied: list[int] = []
-
-    def info(self) -> wire.EngineInfo:
-        return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq", "shm"), host="test")
-
-    def validate(self, manifest: wire.Manifest) -> None:
-        return None
-
-    def apply(self, manifest: wire.Manifest, buckets: list[object], timings: dict[str, float]) -> object:
-        from inference_side.receiver import ApplyResult
-
-        self.applied.append(manifest.version)
-        return ApplyResult(True)
-
-
-def _publish_unchecked(receiver_sync: dict[str, object], weights: list[tuple[str, torch.Tensor]]) -> tuple[_Gate, object]:
+def _publish_unchecked(start_receiver: Any, receiver_sync: dict[str, object],
+                       weights: list[tuple[str, torch.Tensor]]) -> tuple[FakeEngine, object, list[str]]:
+    """Publish ``weights`` without checksums to a receiver with ``receiver_sync``: the engine, the report or
+    the UpdateFailed, and the kinds of the receiver's refusals."""
     from bridge.config import config_from_dict
     from bridge.errors import UpdateFailed
-    from inference_side.receiver import SyncReceiver
     from trainer_side import WeightPublisher
 
-    gate = _Gate()
-    rx = SyncReceiver(gate, config_from_dict({"sync": receiver_sync}))
-    rx.start()
-    try:
-        with WeightPublisher(rx.endpoint, config=config_from_dict({"sync": {"checksum": "none"}}), transport="shm") as pub:
-            try:
-                return gate, pub.publish(weights, 1)
-            except UpdateFailed as exc:
-                return gate, exc
-    finally:
-        rx.stop()
+    gate, events = FakeEngine(), []
+    rx = start_receiver(config_from_dict({"sync": receiver_sync}), gate, events)
+    with WeightPublisher(rx.endpoint, config=config_from_dict({"sync": {"checksum": "none"}}), transport="shm") as pub:
+        try:
+            result: object = pub.publish(weights, 1)
+        except UpdateFailed as exc:
+            result = exc
+            wait_until(lambda: events, what="the receiver's refused event")  # recorded just after the ack went out
+    return gate, result, [d["kind"] for k, d in events if k == "refused"]
 
 
-def test_unchecked_update_is_refused_by_an_engine_that_verifies() -> None:
-    gate, result = _publish_unchecked({}, [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))])
-    assert "publisher sends no checksums" in str(result) and "sync.verify_checksums: true" in str(result), result
+def test_unchecked_update_is_refused_by_an_engine_that_verifies(start_receiver: Any) -> None:
+    gate, result, refused = _publish_unchecked(start_receiver, {}, [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))])
+    assert refused == ["wire"], (refused, result)
+    # what the trainer's people read: which setting on which side
+    assert "sync.checksum is none" in str(result) and "sync.verify_checksums: true" in str(result), result
     assert gate.applied == []
 
 
-def test_unchecked_update_applies_where_checksums_are_off_but_nan_is_still_refused() -> None:
+def test_unchecked_update_applies_where_checksums_are_off_but_nan_is_still_refused(start_receiver: Any) -> None:
     good = [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))]
-    gate, result = _publish_unchecked({"verify_checksums": False}, good)
+    gate, result, refused = _publish_unchecked(start_receiver, {"verify_checksums": False}, good)
     assert getattr(result, "ok", False), result
-    assert gate.applied == [1]
+    assert gate.applied == [1] and refused == []
     bad = [("model.norm.weight", torch.full((64,), float("nan"), dtype=torch.bfloat16))]
-    gate, result = _publish_unchecked({"verify_checksums": False}, bad)
-    assert "tensor model.norm.weight: holds NaN or Inf" in str(result), result
+    gate, result, refused = _publish_unchecked(start_receiver, {"verify_checksums": False}, bad)
+    assert refused == ["nonfinite"] and "model.norm.weight" in str(result), (refused, result)
     assert gate.applied == []
 
 
@@ -316,67 +297,63 @@ def test_private_attach_cache_keeps_a_mapping_until_this_process_writes_into_it(
         cache.close()
 
 
-def test_receiver_maps_shm_buckets_once_and_lets_go_when_the_publisher_closes() -> None:
+def test_receiver_maps_shm_buckets_once_and_lets_go_when_the_publisher_closes(start_receiver: Any) -> None:
     """Two updates over shm reuse one mapping per bucket; once the publisher closes, the receiver unmaps
     them within about a second, so no segment's memory stays pinned."""
     import time
     from pathlib import Path
 
     from bridge.config import config_from_dict
-    from inference_side.receiver import SyncReceiver
     from trainer_side import WeightPublisher
 
     def ours() -> set[str]:
         return {line.split()[-2].rsplit("/", 1)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                 if "/dev/shm/wb-bucket-" in line and line.endswith("(deleted)")}
 
-    gate = _Gate()
-    rx = SyncReceiver(gate, config_from_dict({}))
-    rx.start()
-    try:
-        weights = [(f"model.layers.{i}.mlp.weight", torch.randn(256, 256).to(torch.bfloat16)) for i in range(4)]
-        config = config_from_dict({"transport": {"bucket_mb": 0.25}})
-        with WeightPublisher(rx.endpoint, config=config, transport="shm") as pub:
-            assert pub.publish(weights, 1).ok
-            first = dict(rx._attached._kept)
-            assert pub.publish(weights, 2).ok
-            assert len(first) == 2 and rx._attached._kept == first  # the same two mappings, not new ones
-            assert all(a is b for a, b in zip(first.values(), rx._attached._kept.values(), strict=True))
-            assert gate.applied == [1, 2]
-        deadline = time.monotonic() + 5
-        while len(rx._attached) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(rx._attached) == 0 and not ours()
-    finally:
-        rx.stop()
+    gate = FakeEngine()
+    rx = start_receiver(config_from_dict({}), gate)
+
+    def attached() -> Any:  # the shm transport's receiving end keeps the mappings
+        return rx._planes["shm"]._attached
+
+    weights = [(f"model.layers.{i}.mlp.weight", torch.randn(256, 256).to(torch.bfloat16)) for i in range(4)]
+    config = config_from_dict({"transport": {"bucket_mb": 0.25}})
+    with WeightPublisher(rx.endpoint, config=config, transport="shm") as pub:
+        assert pub.publish(weights, 1).ok
+        first = dict(attached()._kept)
+        assert pub.publish(weights, 2).ok
+        assert len(first) == 2 and attached()._kept == first  # the same two mappings, not new ones
+        assert all(a is b for a, b in zip(first.values(), attached()._kept.values(), strict=True))
+        assert gate.applied == [1, 2]
+    deadline = time.monotonic() + 5
+    while len(attached()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(attached()) == 0 and not ours()
 
 
-def test_shm_plane_writes_the_update_after_a_failed_one_into_fresh_segments() -> None:
+def test_shm_plane_writes_the_update_after_a_failed_one_into_fresh_segments(start_receiver: Any) -> None:
     """A failed update's segments may still be read by an engine whose apply overran its deadline: the next
     update must not rewrite them. Successful updates keep reusing theirs."""
     from bridge.config import config_from_dict
     from bridge.errors import UpdateFailed
-    from inference_side.receiver import SyncReceiver
     from trainer_side import WeightPublisher
 
-    gate = _Gate()
-    rx = SyncReceiver(gate, config_from_dict({}))
-    rx.start()
+    gate, events = FakeEngine(), []
+    rx = start_receiver(config_from_dict({}), gate, events)
     good = [("model.norm.weight", torch.ones(64, dtype=torch.bfloat16))]
     bad = [("model.norm.weight", torch.full((64,), float("nan"), dtype=torch.bfloat16))]
-    try:
-        with WeightPublisher(rx.endpoint, transport="shm") as pub:
-            def names() -> set[str]:
-                return {s.name for s in pub._planes["shm"]._all}  # type: ignore[attr-defined]
+    with WeightPublisher(rx.endpoint, transport="shm") as pub:
+        def names() -> set[str]:
+            return {s.name for s in pub._planes["shm"]._all}  # type: ignore[attr-defined]
 
-            assert pub.publish(good, 1).ok
-            first = names()
-            with pytest.raises(UpdateFailed, match="NaN"):
-                pub.publish(bad, 2)
-            assert pub.publish(good, 3).ok
-            after_failure = names()
-            assert pub.publish(good, 4).ok
-            assert first and after_failure and not first & after_failure
-            assert names() == after_failure and gate.applied == [1, 3, 4]
-    finally:
-        rx.stop()
+        assert pub.publish(good, 1).ok
+        first = names()
+        with pytest.raises(UpdateFailed):
+            pub.publish(bad, 2)
+        wait_until(lambda: events, what="the receiver's refused event")
+        assert [(k, d["kind"]) for k, d in events] == [("refused", "nonfinite")], events
+        assert pub.publish(good, 3).ok
+        after_failure = names()
+        assert pub.publish(good, 4).ok
+        assert first and after_failure and not first & after_failure
+        assert names() == after_failure and gate.applied == [1, 3, 4]

@@ -1,7 +1,7 @@
 """Issue 4, fan-out: the receivers of one host verify a shared-memory bucket once between them.
 
 Real separate processes contend for a real verdict file in /dev/shm; real receivers (without a model:
-their gate reports the crc32 of every tensor it read) take real updates over ZMQ and shared memory."""
+tests/fakes.py's FakeEngine reports the crc32 of every tensor it read) take real updates over ZMQ and shared memory."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from bridge import wire
 from bridge.config import config_from_dict
 from bridge.shm import Segment, verdict_path
 from tests import recording_receiver as recording
+from tests.helpers import ROOT, spec, weights
 from tests.rawclient import RawClient
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"transport": {"bucket_mb": 0.02, "depth": 2}}
 CONTENDER = """
 import sys, time
@@ -90,11 +90,6 @@ def test_a_verdict_on_an_unlinked_segment_is_not_left_behind() -> None:
 
 
 # ---- receivers ---------------------------------------------------------------------------------------
-def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(64, 96, generator=gen).to(torch.bfloat16)) for i in range(6)]
-
-
 @pytest.fixture(params=[True, False], ids=["once-per-host", "every-receiver"])
 def receivers(request: Any) -> Any:
     """Three receiver processes on this host, verifying once per host or each on its own."""
@@ -110,13 +105,13 @@ def test_receivers_on_one_host_verify_each_shm_bucket_once(receivers: Any) -> No
     from trainer_side.packing import make_plan
 
     once, endpoints = receivers
-    weights = _weights(3)
+    named = weights(3)
     config = config_from_dict(SMALL)
-    buckets = len(make_plan(weights, "bfloat16", config.transport.bucket_bytes)[0].bucket_sizes)
+    buckets = len(make_plan(named, "bfloat16", config.transport.bucket_bytes)[0].bucket_sizes)
     assert buckets >= 3
     with WeightPublisher(endpoints, config=config, transport="shm") as pub:
-        reports = [pub.publish(weights, version) for version in (1, 2)]  # the second reuses the segments
-    sent = {name: zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) for name, t in weights}
+        reports = [pub.publish(named, version) for version in (1, 2)]  # the second reuses the segments
+    sent = {name: zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) for name, t in named}
     for report in reports:
         assert report.ok
         for engine in report.engines:
@@ -128,10 +123,10 @@ def test_receivers_on_one_host_verify_each_shm_bucket_once(receivers: Any) -> No
 
 def _raw_update(endpoint: str, segment: Segment, version: int, token: str, checksum: int, identity: bytes) -> wire.Ack:
     """One update of one 256-byte tensor lying in ``segment``, sent as a publisher on this host would."""
-    spec = wire.TensorSpec("model.norm.weight", "bfloat16", (128,), 0, 0, 256)
+    norm = spec("model.norm.weight", "bfloat16", (128,))
     client = RawClient(endpoint, identity=identity)
     try:
-        client.send(wire.Begin(wire.Manifest(version=version, tensors=(spec,), bucket_sizes=(256,), publisher="raw",
+        client.send(wire.Begin(wire.Manifest(version=version, tensors=(norm,), bucket_sizes=(256,), publisher="raw",
                                              transport="shm")))
         client.until(wire.Credit)
         client.send(wire.BucketHeader(version=version, index=0, checksums=(checksum,), segment=segment.name, token=token))
@@ -142,14 +137,12 @@ def _raw_update(endpoint: str, segment: Segment, version: int, token: str, check
         client.close()
 
 
-def test_a_verdict_covers_only_the_send_it_was_made_for() -> None:
+def test_a_verdict_covers_only_the_send_it_was_made_for(start_receiver: Any) -> None:
     """A verdict on good bytes does not cover bytes rewritten into the segment for another send (another
     token), even with the same version and checksums; a failed check leaves no verdict behind."""
-    from inference_side.receiver import SyncReceiver
-    from tests.recording_receiver import CrcGate
+    from tests.fakes import FakeEngine
 
-    receivers = [SyncReceiver(CrcGate(), config_from_dict(SMALL)) for _ in range(2)]
-    endpoints = [r.start() for r in receivers]
+    endpoints = [start_receiver(config_from_dict(SMALL), FakeEngine(keep="crc32")).endpoint for _ in range(2)]
     segment = Segment.create("pub", 256)
     good = torch.full((128,), 1.5, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
     bad = torch.full((128,), 2.5, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
@@ -162,8 +155,6 @@ def test_a_verdict_covers_only_the_send_it_was_made_for() -> None:
         segment.buffer[:] = bad  # rewritten for another send of the same version, announced with the old checksum
         for endpoint, identity in zip(endpoints, (b"raw-3", b"raw-4"), strict=True):  # the second one too
             ack = _raw_update(endpoint, segment, 1, "send-b", zlib.crc32(good), identity)
-            assert not ack.ok and "tensor model.norm.weight: checksum mismatch" in ack.reason, ack
+            assert not ack.ok and ack.kind == "checksum" and "model.norm.weight" in ack.reason, ack
     finally:
         segment.close()
-        for r in receivers:
-            r.stop()

@@ -21,8 +21,8 @@ import pytest
 
 from bridge.shm import SHM_DIR, Segment, pid_namespace, sweep_orphans
 from tests import recording_receiver as recording
+from tests.helpers import ROOT, weights
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"transport": {"bucket_mb": 1, "depth": 2}}
 
 MAKER = """
@@ -94,21 +94,18 @@ def test_sweep_removes_exactly_the_segments_of_dead_makers(strays: list[Path]) -
 
 
 TRAINER = """
-import json, sys, torch
+import json, sys
 from bridge.config import config_from_dict
+from tests.helpers import weights
 from trainer_side import WeightPublisher
-gen = torch.Generator().manual_seed(1)
-weights = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 700, generator=gen).to(torch.bfloat16)) for i in range(4)]
 pub = WeightPublisher([sys.argv[1]], config=config_from_dict(json.loads(sys.argv[2])), transport="shm")
-assert pub.publish(weights, version=1).ok
+assert pub.publish(weights(1, count=4, shape=(512, 700)), version=1).ok
 print("PUBLISHED", flush=True)
 sys.stdin.read()
 """
 
 
 def test_a_new_publisher_sweeps_what_a_sigkilled_trainer_left() -> None:
-    import torch
-
     from bridge.config import config_from_dict
     from trainer_side import WeightPublisher
 
@@ -124,14 +121,12 @@ def test_a_new_publisher_sweeps_what_a_sigkilled_trainer_left() -> None:
         trainer.wait(30)
         assert sorted(p.name for p in SHM_DIR.glob(pattern)) == kept  # leaked
 
-        gen = torch.Generator().manual_seed(2)
-        weights = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 700, generator=gen).to(torch.bfloat16))
-                   for i in range(4)]
+        named = weights(2, count=4, shape=(512, 700))
         with WeightPublisher([endpoint], config=config_from_dict(SMALL), transport="shm") as pub:  # the restarted trainer
             assert sorted(p.name for p in SHM_DIR.glob(pattern)) == []
-            report = pub.publish(weights, version=2)
+            report = pub.publish(named, version=2)
         assert report.ok, report
-        assert report.engines[0].engine["crc32"].keys() == {name for name, _ in weights}
+        assert report.engines[0].engine["crc32"].keys() == {name for name, _ in named}
     finally:
         if trainer.poll() is None:
             trainer.kill()
