@@ -36,15 +36,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> Any:
-    """Poll ``pred`` until it returns something true (returned) or ``timeout`` seconds passed (AssertionError)."""
+def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str | Callable[[], str] = "the condition") -> Any:
+    """Poll ``pred`` until it returns something true (returned) or ``timeout`` seconds passed (AssertionError
+    naming ``what``, or what it returns then)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         got = pred()
         if got:
             return got
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
 
 
 # ---- weights and manifests ------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Issue 4, fan-out across hosts: a host-local relay takes an update once over tcp:// and hands it to every
 engine on its host through shared memory, answering the publisher with the engines' combined answer.
 
-Here two receivers with an in-process gate (no model: it records the bytes it was given) stand behind a
-real relay, with real sockets, shared memory and, for the command, a separate relay process. A real vLLM
+Here two receivers with tests/fakes.py's FakeEngine (no model: it records the bytes it was given) stand
+behind a real relay, with real sockets, shared memory and, for the command, a separate relay process. A real vLLM
 engine behind a relay actor, compared with a cold-loaded one, is in tests/test_transports.py.
 """
 
@@ -16,63 +16,26 @@ import torch
 from bridge import wire
 from bridge.config import config_from_dict
 from bridge.errors import UpdateFailed
+from tests.fakes import FakeEngine
+from tests.helpers import plan_manifest, wait_until
+from tests.helpers import weights as _weights
 
 SMALL = {"transport": {"bucket_mb": 0.05, "depth": 2}}
 
 
-class RecordingGate:
-    """An engine without a model: keeps every applied version's tensors, read from the staged buckets."""
-
-    def __init__(self, refuse: int = 0) -> None:
-        self.refuse = refuse  # a version this engine refuses (0: none)
-        self.applied: dict[int, dict[str, torch.Tensor]] = {}
-        self.segments: list[str] = []
-        self.begun: list[int] = []  # versions whose manifest reached this engine
-
-    def info(self) -> wire.EngineInfo:
-        return wire.EngineInfo(dtype="bfloat16", version=max(self.applied, default=0), tp_size=1,
-                               transports=("zmq", "shm"), host="test")
-
-    def validate(self, manifest: wire.Manifest) -> str | None:
-        self.begun.append(manifest.version)
-        if manifest.version == self.refuse:
-            from bridge.errors import VersionError
-
-            raise VersionError(f"version {manifest.version} refused by this test engine")
-        return None
-
-    def apply(self, manifest: wire.Manifest, buckets: list[Any], timings: dict[str, float]) -> Any:
-        from inference_side.receiver import ApplyResult
-
-        got = {}
-        for b in buckets:
-            self.segments.append(b.segment.name)
-            for s in b.specs:
-                raw = torch.frombuffer(bytearray(b.segment.buffer[s.offset : s.offset + s.nbytes]), dtype=torch.uint8)
-                got[s.name] = raw.view(getattr(torch, s.dtype)).view(s.shape)
-        self.applied[manifest.version] = got
-        return ApplyResult(True, "", {"seconds": {"apply": 0.0}})
-
-
-def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(64, 96, generator=gen).to(torch.bfloat16)) for i in range(6)]
-
-
 @pytest.fixture
-def host() -> Any:
-    """Two receivers (the host's engines) behind one relay."""
-    from inference_side.receiver import SyncReceiver
+def host(start_receiver: Any) -> Any:
+    """Two receivers (the host's engines, keeping the bytes they applied; the second refuses version 4)
+    behind one relay; ``events`` holds each receiver's (kind, data) events."""
     from inference_side.relay import Relay
 
-    gates = [RecordingGate(), RecordingGate(refuse=4)]
-    receivers = [SyncReceiver(g, config_from_dict(SMALL)) for g in gates]
-    endpoints = [r.start() for r in receivers]
+    gates = [FakeEngine(keep="bytes"), FakeEngine(keep="bytes", refuse={4})]
+    events: list[list[tuple[str, dict[str, Any]]]] = [[], []]
+    receivers = [start_receiver(config_from_dict(SMALL), g, e) for g, e in zip(gates, events, strict=True)]
+    endpoints = [r.endpoint for r in receivers]
     relay = Relay(endpoints, SMALL, name="relay-test")
-    yield {"gates": gates, "relay": relay, "endpoints": endpoints, "receivers": receivers}
+    yield {"gates": gates, "relay": relay, "endpoints": endpoints, "receivers": receivers, "events": events}
     relay.shutdown()
-    for r in receivers:
-        r.stop()
 
 
 def _publish(endpoint: str, weights: list[tuple[str, torch.Tensor]], version: int) -> Any:
@@ -89,9 +52,9 @@ def test_relay_forwards_one_received_copy_to_every_engine(host: Any) -> None:
     relayed = report.engines[0].engine["relayed"]
     assert [r["endpoint"] for r in relayed] == host["endpoints"] and all(r["ok"] for r in relayed)
     for gate in host["gates"]:
-        assert sorted(gate.applied) == [1]
+        assert gate.applied == [1]
         for name, tensor in weights:
-            assert torch.equal(gate.applied[1][name], tensor), name
+            assert torch.equal(gate.tensors(1)[name], tensor), name
         # the engines mapped the relay's own staging (receive segments), not copies of it
         assert gate.segments and all(s.startswith("wb-recv-") for s in gate.segments), gate.segments
     assert host["gates"][0].segments == host["gates"][1].segments
@@ -102,6 +65,9 @@ def test_relay_names_the_engine_that_refused(host: Any) -> None:
     assert _publish(host["relay"].endpoint(), _weights(1), 3).ok
     with pytest.raises(UpdateFailed) as info:
         _publish(host["relay"].endpoint(), _weights(2), 4)
+    # the engine's own refusal, by kind  # TODO(kind): and the relay's UpdateFailed.kinds say VERSION too
+    assert [(k, d["kind"], d["version"]) for k, d in host["events"][1]] == [("refused", "version", 4)], host["events"]
+    assert host["events"][0] == []
     message = str(info.value)
     assert host["endpoints"][1] in message and "version 4 refused by this test engine" in message, message
     assert host["endpoints"][0] not in message.split("relayed to", 1)[-1], message
@@ -109,14 +75,18 @@ def test_relay_names_the_engine_that_refused(host: Any) -> None:
 
 
 def test_relay_refuses_bad_input_before_any_engine_sees_it(host: Any) -> None:
+    refused: list[tuple[str, dict[str, Any]]] = []
+    host["relay"].receiver.on_event = lambda kind, data: refused.append((kind, data))  # the relay's own receiver
     weights = _weights(1)
     assert _publish(host["relay"].endpoint(), weights, 5).ok
     bad = [(n, t.clone()) for n, t in weights]
     bad[3][1][7, 7] = float("nan")
-    with pytest.raises(UpdateFailed, match="model.layers.3.mlp.down_proj.weight: holds NaN or Inf"):
+    with pytest.raises(UpdateFailed, match="model.layers.3.mlp.down_proj.weight"):
         _publish(host["relay"].endpoint(), bad, 6)
+    wait_until(lambda: refused, what="the relay's refusal")
+    assert [(k, d["kind"], d["version"]) for k, d in refused] == [("refused", "nonfinite", 6)], refused
     for gate in host["gates"]:
-        assert 5 in gate.begun and 6 not in gate.begun  # the relay refused it: no engine was even asked
+        assert 5 in gate.validated and 6 not in gate.validated  # the relay refused it: no engine was even asked
 
 
 def test_streaming_relay_forwards_a_bucket_before_the_next_one_exists_upstream(host: Any) -> None:
@@ -133,7 +103,7 @@ def test_streaming_relay_forwards_a_bucket_before_the_next_one_exists_upstream(h
         assert ack.ok, ack.reason
     for gate in host["gates"]:
         for name, tensor in weights:
-            assert torch.equal(gate.applied[8][name], tensor), name
+            assert torch.equal(gate.tensors(8)[name], tensor), name
 
 
 def test_streaming_relay_passes_an_upstream_abort_to_its_engines(host: Any) -> None:
@@ -145,7 +115,9 @@ def test_streaming_relay_passes_an_upstream_abort_to_its_engines(host: Any) -> N
         weights = _weights(6)
         assert _publish(up.relay.endpoint(), weights, 10).ok  # the relay is free for the next update
     for gate in host["gates"]:
-        assert 9 not in gate.applied and torch.equal(gate.applied[10][weights[0][0]], weights[0][1])
+        assert 9 not in gate.applied and torch.equal(gate.tensors(10)[weights[0][0]], weights[0][1])
+    for events in host["events"]:  # each engine was told to drop the update
+        assert [(k, d["kind"], d["version"]) for k, d in events] == [("aborted", "aborted", 9)], events
 
 
 def test_relay_shuts_down_promptly_with_a_streaming_update_open(host: Any) -> None:
@@ -162,6 +134,8 @@ def test_relay_shuts_down_promptly_with_a_streaming_update_open(host: Any) -> No
         up.wait(lambda: not any(s["version"] == 11 for r in host["receivers"] for s in r.summary()))
     for gate in host["gates"]:
         assert 11 not in gate.applied
+    for events in host["events"]:  # each engine was told to drop the update
+        assert [(k, d["kind"], d["version"]) for k, d in events] == [("aborted", "aborted", 11)], events
 
 
 def test_a_receiver_stopped_mid_load_still_aborts_the_open_streaming_update(host: Any, monkeypatch: Any) -> None:
@@ -173,21 +147,21 @@ def test_a_receiver_stopped_mid_load_still_aborts_the_open_streaming_update(host
         up.send(0)
         up.wait_engines_staged(1)
         gate = up.relay.gate
-        assert gate.stream_held()
+        assert gate._open is not None  # the relay's forward of the update is open
         entered, release = threading.Event(), threading.Event()
-        load = gate.stream_load
+        load = gate.load
 
-        def slow_load(manifest: wire.Manifest, bucket: Any) -> str:
+        def slow_load(manifest: wire.Manifest, bucket: Any) -> Any:
             entered.set()
             release.wait(10)
             return load(manifest, bucket)
 
-        monkeypatch.setattr(gate, "stream_load", slow_load)
+        monkeypatch.setattr(gate, "load", slow_load)
         up.send(1)
         assert entered.wait(10)
         threading.Timer(0.5, release.set).start()
         up.relay.receiver.stop()  # the apply thread is busy loading bucket 1: the abort queues behind it
-        up.wait(lambda: not gate.stream_held())  # the abort ran and ended the gate's update
+        up.wait(lambda: gate._open is None)  # the abort ran and ended the gate's update
         up.wait(lambda: not any(s["version"] == 13 for r in host["receivers"] for s in r.summary()))
     for g in host["gates"]:
         assert 13 not in g.applied
@@ -207,6 +181,8 @@ def test_closing_the_relay_gate_ends_a_forward_left_open(host: Any) -> None:
         up.wait(lambda: not any(s["version"] == 15 for r in host["receivers"] for s in r.summary()))
     for g in host["gates"]:
         assert 15 not in g.applied
+    for events in host["events"]:  # each engine was told to drop the update
+        assert [(k, d["kind"], d["version"]) for k, d in events] == [("aborted", "aborted", 15)], events
 
 
 def test_closing_the_relay_does_not_wait_for_engines_still_applying() -> None:
@@ -220,13 +196,11 @@ def test_closing_the_relay_does_not_wait_for_engines_still_applying() -> None:
 
     entered, release = threading.Event(), threading.Event()
 
-    class SlowGate(RecordingGate):
-        def apply(self, manifest: wire.Manifest, buckets: list[Any], timings: dict[str, float]) -> Any:
-            entered.set()
-            release.wait(60)
-            return super().apply(manifest, buckets, timings)
+    def applying(manifest: wire.Manifest) -> None:  # the engine applies until the test releases it
+        entered.set()
+        release.wait(60)
 
-    receiver = SyncReceiver(SlowGate(), config_from_dict(SMALL))
+    receiver = SyncReceiver(FakeEngine(on_finish=applying), config_from_dict(SMALL))
     relay = Relay([receiver.start()], SMALL, name="relay-slow")
     outcome: list[Any] = []
     sender = threading.Thread(target=lambda: outcome.append(_try_publish(relay.endpoint(), _weights(16), 17)), daemon=True)
@@ -260,14 +234,13 @@ class RawUpstream:
     def __init__(self, host: Any, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         from inference_side.relay import Relay
         from tests.rawclient import RawClient
-        from trainer_side.packing import make_plan, plan_specs
+        from trainer_side.packing import make_plan
 
         self.host, self.version = host, version
         self.plan, self.tensors = make_plan(weights, "bfloat16", 20_000)
         self.buckets = len(self.plan.bucket_sizes)
         assert self.buckets >= 3
-        manifest = wire.Manifest(version=version, tensors=plan_specs(self.plan), bucket_sizes=self.plan.bucket_sizes,
-                                 publisher="raw")
+        manifest = plan_manifest(self.plan, version, publisher="raw")
         self.relay = Relay(host["endpoints"], {**SMALL, "sync": {"mode": "streaming"}}, name="relay-streaming")
         self.client = RawClient(self.relay.endpoint())
         self.client.send(wire.Begin(manifest))
@@ -281,12 +254,7 @@ class RawUpstream:
         self.client.send(wire.BucketHeader(version=self.version, index=index, checksums=tuple(sums)), out.numpy().tobytes())
 
     def wait(self, cond: Any, timeout: float = 10) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, [r.summary() for r in self.host["receivers"]]
-            time.sleep(0.02)
+        wait_until(cond, timeout, lambda: f"a condition; receivers hold {[r.summary() for r in self.host['receivers']]}")
 
     def wait_engines_staged(self, count: int) -> None:
         """Every engine's receiver holds ``count`` buckets of this update."""
@@ -306,11 +274,7 @@ def test_relay_refuses_engines_it_cannot_reach_through_shared_memory() -> None:
     from inference_side.receiver import SyncReceiver
     from inference_side.relay import Relay
 
-    class TcpOnly(RecordingGate):
-        def info(self) -> wire.EngineInfo:
-            return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq",), host="elsewhere")
-
-    rx = SyncReceiver(TcpOnly(), config_from_dict(SMALL))
+    rx = SyncReceiver(FakeEngine(transports=("zmq",), host="elsewhere"), config_from_dict(SMALL))
     try:
         with pytest.raises(ConfigError, match="do not take the shm transport"):
             Relay([rx.start()], SMALL)
@@ -323,7 +287,7 @@ def test_relay_command_runs_a_relay_process(host: Any) -> None:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, child_env
+    from tests.helpers import ROOT, child_env
 
     cmd = [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
     for endpoint in host["endpoints"]:
@@ -336,7 +300,7 @@ def test_relay_command_runs_a_relay_process(host: Any) -> None:
         weights = _weights(9)
         assert _publish(line.split()[2], weights, 7).ok
         for gate in host["gates"]:
-            assert torch.equal(gate.applied[7][weights[0][0]], weights[0][1])
+            assert torch.equal(gate.tensors(7)[weights[0][0]], weights[0][1])
     finally:
         proc.terminate()
         proc.wait(30)
