@@ -9,19 +9,17 @@ default torch.distributed group stays uninitialised (the link never touches glob
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
+from tests.fakes import FakeEngine
+from tests.helpers import free_port, wait_until, weights
+
 SIZES = [1 << 20, 3 << 20, 12345]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _receiver(backend: str, port: int, rank: int, world: int, out: Any) -> None:
@@ -63,7 +61,7 @@ def _sender(backend: str, port: int, world: int, out: Any) -> None:
 def _broadcast_to_two(backend: str) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port, world = _free_port(), 3
+    port, world = free_port(), 3
     procs = [ctx.Process(target=_sender, args=(backend, port, world, out))]
     procs += [ctx.Process(target=_receiver, args=(backend, port, r, world, out)) for r in (1, 2)]
     for p in procs:
@@ -115,7 +113,7 @@ def _silent_sender(port: int, done: Any) -> None:
 def test_gloo_receiver_times_out_with_clear_error() -> None:
     ctx = mp.get_context("spawn")
     out, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     sender = ctx.Process(target=_silent_sender, args=(port, done))
     receiver = ctx.Process(target=_lonely_receiver, args=(port, out))
     sender.start()
@@ -133,45 +131,10 @@ def test_gloo_receiver_times_out_with_clear_error() -> None:
 
 # ---- the plane behind the publisher and the receiver -------------------------------------------------
 # Real WeightPublisher and SyncReceivers over real sockets and a real gloo group; the engine behind each
-# receiver is a small gate that compares every byte it would load with what the trainer published.
+# receiver is a FakeEngine (tests/fakes.py) that compares every byte it loads with what the trainer published.
 
 def _weights(version: int, poison: str = "") -> list[tuple[str, Any]]:
-    import torch
-
-    gen = torch.Generator().manual_seed(version)
-    out = [(f"model.layers.{i}.mlp.weight", torch.randn(3000 + 17 * i, generator=gen).to(torch.bfloat16)) for i in range(12)]
-    if poison:
-        out = [(n, torch.full_like(t, float("nan")) if n == poison else t) for n, t in out]
-    return out
-
-
-class _ByteGate:
-    """An engine stand-in that checks the staged bytes of every tensor against the expected weights."""
-
-    def __init__(self) -> None:
-        self.expected: dict[str, Any] = {}
-        self.applied: list[int] = []
-
-    def info(self) -> Any:
-        from bridge import wire
-
-        return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq", "gloo", "nccl"), host="test")
-
-    def validate(self, manifest: Any) -> str | None:
-        return None
-
-    def apply(self, manifest: Any, buckets: list[Any], timings: dict[str, float]) -> Any:
-        import torch
-
-        from inference_side.receiver import ApplyResult
-
-        got = {s.name: torch.frombuffer(b.segment.buffer, dtype=torch.uint8)[s.offset : s.offset + s.nbytes].view(torch.bfloat16)
-               for b in buckets for s in b.specs}
-        wrong = [n for n, t in self.expected.items() if n not in got or not torch.equal(got[n], t)]
-        if wrong:
-            return ApplyResult(False, f"bytes differ: {wrong}")
-        self.applied.append(manifest.version)
-        return ApplyResult(True)
+    return weights(version, count=12, shape=lambda i: (3000 + 17 * i,), name="model.layers.{i}.mlp.weight", poison=poison)
 
 
 def _small() -> Any:
@@ -180,15 +143,24 @@ def _small() -> Any:
     return config_from_dict({"transport": {"bucket_mb": 0.02, "depth": 2}, "deadlines": {"connect_s": 20, "bucket_s": 20}})
 
 
-def _receivers(n: int) -> tuple[list[Any], list[_ByteGate]]:
+@contextmanager
+def _receivers(n: int) -> Iterator[tuple[list[Any], list[FakeEngine], list[list[tuple[str, dict[str, Any]]]]]]:
+    """``n`` receivers taking the collective planes, their engines and each one's (kind, data) events;
+    stopped afterwards, when no engine may have seen the contract broken."""
     from inference_side.receiver import SyncReceiver
 
     config = _small()
-    gates = [_ByteGate() for _ in range(n)]
-    rxs = [SyncReceiver(g, config) for g in gates]
-    for rx in rxs:
-        rx.start()
-    return rxs, gates
+    gates = [FakeEngine(transports=("zmq", "gloo", "nccl")) for _ in range(n)]
+    events: list[list[tuple[str, dict[str, Any]]]] = [[] for _ in range(n)]
+    rxs = [SyncReceiver(g, config, on_event=lambda k, d, e=e: e.append((k, d))) for g, e in zip(gates, events, strict=True)]
+    try:
+        for rx in rxs:
+            rx.start()
+        yield rxs, gates, events
+    finally:
+        for rx in rxs:
+            rx.stop()
+    assert [g.violations for g in gates] == [[] for _ in gates]
 
 
 def test_gloo_plane_publisher_to_two_receivers_bit_exact_link_kept() -> None:
@@ -219,40 +191,33 @@ def test_nccl_ranks_sharing_one_gpu_fail_the_update_and_zmq_still_applies() -> N
 
     if torch.cuda.device_count() != 1:
         pytest.skip("needs a host with exactly one GPU, which both ranks then share")
-    rxs, gates = _receivers(1)
-    try:
+    with _receivers(1) as (rxs, gates, _):
         with WeightPublisher(rxs[0].endpoint, config=_small(), transport="nccl") as pub:
             with pytest.raises(UpdateFailed, match="(?i)duplicate GPU"):
                 pub.publish(_weights(1), 1)
         assert gates[0].applied == []
-        weights = _weights(2)
-        gates[0].expected = dict(weights)
+        named = _weights(2)
+        gates[0].expect(named)
         with WeightPublisher(rxs[0].endpoint, config=_small(), transport="zmq") as pub:
-            assert pub.publish(weights, 2).ok
+            assert pub.publish(named, 2).ok
         assert gates[0].applied == [2]
-    finally:
-        rxs[0].stop()
 
 
 def _plane_to_two_receivers(backend: str) -> None:
     from trainer_side import WeightPublisher
 
-    rxs, gates = _receivers(2)
-    try:
+    with _receivers(2) as (rxs, gates, _):
         with WeightPublisher([rx.endpoint for rx in rxs], config=_small(),
                              transport=backend) as pub:
             for version in (1, 2, 3):
-                weights = _weights(version)
+                named = _weights(version)
                 for g in gates:
-                    g.expected = dict(weights)
-                report = pub.publish(weights, version)
+                    g.expect(named)
+                report = pub.publish(named, version)
                 assert report.ok and len(report.engines) == 2, report
             links_made = pub._planes[backend].links_made  # type: ignore[attr-defined]
         assert [g.applied for g in gates] == [[1, 2, 3], [1, 2, 3]]
         assert links_made == 1, f"{links_made} gloo links made for three good updates"
-    finally:
-        for rx in rxs:
-            rx.stop()
 
 
 def test_gloo_plane_refused_mid_update_then_recovers() -> None:
@@ -261,22 +226,20 @@ def test_gloo_plane_refused_mid_update_then_recovers() -> None:
     from bridge.errors import UpdateFailed
     from trainer_side import WeightPublisher
 
-    rxs, gates = _receivers(1)
-    try:
+    with _receivers(1) as (rxs, gates, events):
         with WeightPublisher(rxs[0].endpoint, config=_small(), transport="gloo") as pub:
             bad = "model.layers.3.mlp.weight"
-            with pytest.raises(UpdateFailed, match=f"tensor {bad}: holds NaN or Inf"):
+            with pytest.raises(UpdateFailed, match=bad):
                 pub.publish(_weights(1, poison=bad), 1)
+            wait_until(lambda: events[0], what="the receiver's refusal")
+            assert [(k, d["kind"], d["version"]) for k, d in events[0]] == [("refused", "nonfinite", 1)], events
             assert gates[0].applied == []
-            weights = _weights(2)
-            gates[0].expected = dict(weights)
-            assert pub.publish(weights, 2).ok
+            named = _weights(2)
+            gates[0].expect(named)
+            assert pub.publish(named, 2).ok
             links_made = pub._planes["gloo"].links_made  # type: ignore[attr-defined]
         assert gates[0].applied == [2]
         assert links_made == 2, "a failed update must drop the link; the next one offers a new link"
-    finally:
-        for rx in rxs:
-            rx.stop()
 
 
 def test_gloo_plane_refused_when_the_engine_does_not_offer_it() -> None:
@@ -285,13 +248,7 @@ def test_gloo_plane_refused_when_the_engine_does_not_offer_it() -> None:
     from inference_side.receiver import SyncReceiver
     from trainer_side import WeightPublisher
 
-    class ZmqOnly(_ByteGate):
-        def info(self) -> Any:
-            from bridge import wire
-
-            return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=("zmq",), host="test")
-
-    rx = SyncReceiver(ZmqOnly(), config_from_dict({}))
+    rx = SyncReceiver(FakeEngine(transports=("zmq",)), config_from_dict({}))
     rx.start()
     try:
         with WeightPublisher(rx.endpoint, transport="gloo") as pub, pytest.raises(TransportError, match="transport 'gloo' is not offered"):
@@ -307,17 +264,14 @@ def test_gloo_plane_listens_on_loopback_only_by_default() -> None:
 
     from trainer_side import WeightPublisher
 
-    rxs, gates = _receivers(1)
-    before = {c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-    try:
+    with _receivers(1) as (rxs, gates, _):
+        before = {c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
         with WeightPublisher(rxs[0].endpoint, config=_small(), transport="gloo") as pub:
-            weights = _weights(1)
-            gates[0].expected = dict(weights)
-            assert pub.publish(weights, 1).ok
+            named = _weights(1)
+            gates[0].expect(named)
+            assert pub.publish(named, 1).ok
             opened = [c.laddr for c in psutil.Process().net_connections(kind="inet")
                       if c.status == psutil.CONN_LISTEN and c.laddr not in before]
-    finally:
-        rxs[0].stop()
     assert opened, "the gloo link opened no listening socket?"
     assert all(addr.ip == "127.0.0.1" for addr in opened), opened
 
