@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.memory import peak_growth, reset_peaks
+from bridge import wire
+from bridge.report import ApplyResult, LoadResult
+from inference_side.contract import EngineGate, StagedBucket
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,23 +240,29 @@ def measure_relay(trainer: Trainer, engines: Engines, mode: str, plan: Plan, ver
         relay.shutdown()
 
 
-class NullGate:
+class NullGate(EngineGate):
     """A receiver with no engine behind it: stages and verifies every bucket, applies nothing. Publishing
     to it measures the transport alone."""
 
-    def info(self) -> Any:
-        from bridge import wire
+    def info(self) -> wire.EngineInfo:
         from bridge.transports import available
 
         return wire.EngineInfo(dtype="bfloat16", version=0, tp_size=1, transports=tuple(t for t in available() if t != "nccl"), host="bench")
 
-    def validate(self, manifest: Any) -> None:
+    def validate(self, manifest: wire.Manifest) -> str | None:
         return None
 
-    def apply(self, manifest: Any, buckets: list[Any], timings: dict[str, float]) -> Any:
-        from inference_side.receiver import ApplyResult
+    def begin(self, manifest: wire.Manifest) -> None:
+        pass
 
+    def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
+        return LoadResult()
+
+    def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
         return ApplyResult(True)
+
+    def abort(self, manifest: wire.Manifest, reason: str) -> None:
+        pass
 
 
 RAW = {"checksum": "none", "verify_checksums": False, "nonfinite": "allow"}
