@@ -12,6 +12,7 @@ import torch
 from bridge import wire
 from bridge.errors import ChecksumError, ManifestError, NonFiniteError, WireError
 from inference_side.verify import verify_bucket
+from tests.helpers import plan_manifest
 from trainer_side.packing import PackPlan, dtype_name, iter_named, make_plan, pack_bucket, plan_specs
 
 
@@ -36,10 +37,6 @@ def _pack_all(plan: PackPlan, tensors: list[Any], transform: Any = None) -> tupl
         sums.append(pack_bucket(plan, tensors, index, out, transform))
         bufs.append(out)
     return bufs, sums
-
-
-def _manifest(plan: PackPlan) -> wire.Manifest:
-    return wire.Manifest(version=1, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes)
 
 
 def _read(buf: torch.Tensor, spec: wire.TensorSpec) -> torch.Tensor:
@@ -89,7 +86,7 @@ def test_make_plan_buckets(bucket_bytes: int, sizes: tuple[int, ...]) -> None:
     plan, _ = make_plan(_named(), "bfloat16", bucket_bytes)
     assert plan.bucket_sizes == sizes
     n_buckets = len(sizes)
-    _manifest(plan).check_layout()
+    plan_manifest(plan).check_layout()
     members = [i for b in range(n_buckets) for i in plan.bucket_members(b)]
     assert members == list(range(len(plan.names)))  # every tensor in exactly one bucket, in order
 
@@ -132,7 +129,7 @@ def test_dtype_name_and_iter_named() -> None:
 def test_pack_then_verify_round_trip(target: str, bucket_bytes: int) -> None:
     named = _named(1)
     plan, tensors = make_plan(named, target, bucket_bytes)
-    manifest = _manifest(plan)
+    manifest = plan_manifest(plan)
     manifest.check_layout()
     bufs, sums = _pack_all(plan, tensors)
     by_name = dict(named)
@@ -171,7 +168,7 @@ def test_pack_checksums_tensors_spanning_many_chunks(algorithm: str, layout: str
     named = [("model.layers.0.mlp.weight", src), ("model.layers.0.bias", torch.randn(7))]
     plan, tensors = make_plan(named, "bfloat16", 64 << 20)
     bufs, sums = _pack_all_with(plan, tensors, algorithm)
-    for spec, got in zip(_manifest(plan).by_bucket()[0], sums[0], strict=True):
+    for spec, got in zip(plan_manifest(plan).by_bucket()[0], sums[0], strict=True):
         raw = bufs[0][spec.offset : spec.offset + spec.nbytes]
         assert got == whole(raw.numpy().tobytes()), spec.name
         assert torch.equal(raw.view(torch.bfloat16).view(spec.shape), dict(named)[spec.name].to(torch.bfloat16)), spec.name
@@ -209,7 +206,7 @@ def test_an_empty_tensor_checksums_as_the_receiver_verifies_it(algorithm: str) -
              ("model.layers.0.mlp.steps", torch.empty(0, dtype=torch.int64))]
     plan, tensors = make_plan(named, "bfloat16", 64 << 20)
     bufs, sums = _pack_all_with(plan, tensors, algorithm)
-    specs = _manifest(plan).by_bucket()[0]
+    specs = plan_manifest(plan).by_bucket()[0]
     assert [s for spec, s in zip(specs, sums[0], strict=True) if spec.nbytes == 0] == [empty, empty]
     verify_bucket(memoryview(bytearray(bufs[0].numpy().tobytes())), specs, tuple(sums[0]), "reject", algorithm)
 

@@ -10,29 +10,7 @@ import pytest
 
 from bridge import PROTOCOL_VERSION, wire
 from bridge.errors import ManifestError, WireError
-
-
-def _spec(name: str = "model.norm.weight", dtype: str = "float32", shape: tuple[int, ...] = (4,),
-          bucket: int = 0, offset: int = 0, nbytes: int | None = None) -> wire.TensorSpec:
-    if nbytes is None:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * wire.DTYPE_SIZES[dtype]
-    return wire.TensorSpec(name, dtype, shape, bucket, offset, nbytes)
-
-
-def _manifest(tensors: list[wire.TensorSpec] | None = None, sizes: list[int] | None = None,
-              **kw: Any) -> wire.Manifest:
-    if tensors is None:
-        tensors = [
-            _spec("model.embed_tokens.weight", "bfloat16", (8, 4), 0, 0),
-            _spec("model.layers.0.mlp.weight", "float32", (4, 4), 0, 64),
-            _spec("model.norm.weight", "float32", (4,), 1, 0),
-            _spec("model.step", "int64", (), 1, 64),
-        ]
-        sizes = [128, 72]
-    return wire.Manifest(version=kw.pop("version", 3), tensors=tuple(tensors), bucket_sizes=tuple(sizes or []), **kw)
+from tests.helpers import manifest, spec
 
 
 def _begin_bytes(manifest_wire: dict[str, Any]) -> bytes:
@@ -40,7 +18,7 @@ def _begin_bytes(manifest_wire: dict[str, Any]) -> bytes:
 
 
 def _with_tensors(entries: list[list[Any]], sizes: list[int], **overrides: Any) -> bytes:
-    raw = _manifest().to_wire()
+    raw = manifest().to_wire()
     raw["tensors"] = entries
     raw["bucket_sizes"] = sizes
     raw.update(overrides)
@@ -55,9 +33,9 @@ ROUND_TRIP = [
     wire.Hello(publisher="trainer-0"),
     wire.Hello(publisher="", protocol=PROTOCOL_VERSION),
     wire.EngineInfo(dtype="bfloat16", version=7, tp_size=2, transports=("zmq", "shm"), host="node-1"),
-    wire.Begin(_manifest()),
-    wire.Begin(_manifest(publisher="p", transport="shm", probe=PROBE)),
-    wire.Begin(_manifest([], [])),
+    wire.Begin(manifest()),
+    wire.Begin(manifest(publisher="p", transport="shm", probe=PROBE)),
+    wire.Begin(manifest([], [])),
     wire.BucketHeader(version=3, index=1, checksums=(0, 0xFFFFFFFF, 12345)),
     wire.BucketHeader(version=3, index=0, checksums=(), segment="wb-recv-abc"),
     wire.BucketHeader(version=3, index=0, checksums=(7,), segment="wb-pub-1-abc", token="0123456789abcdef"),
@@ -90,21 +68,21 @@ def test_every_message_type_is_covered_by_round_trip() -> None:
 
 
 def test_manifest_helpers() -> None:
-    m = _manifest()
+    m = manifest()
     assert m.total_bytes == 8 * 4 * 2 + 16 * 4 + 4 * 4 + 8
     assert [[s.name for s in b] for b in m.by_bucket()] == [
         ["model.embed_tokens.weight", "model.layers.0.mlp.weight"],
         ["model.norm.weight", "model.step"],
     ]
-    assert _spec(shape=(2, 3, 4)).numel == 24
-    assert _spec(shape=()).numel == 1
+    assert spec(shape=(2, 3, 4)).numel == 24
+    assert spec(shape=()).numel == 1
     assert wire.Manifest.from_wire(m.to_wire()) == m
 
 
 def test_tensor_spec_from_wire_round_trip() -> None:
-    spec = _spec("model.layers.3.self_attn.sinks", "bfloat16", (2, 3), 4, 128)
-    assert wire.TensorSpec.from_wire(spec.to_wire()) == spec
-    assert wire.TensorSpec.from_wire(tuple(spec.to_wire())) == spec
+    sinks = spec("model.layers.3.self_attn.sinks", "bfloat16", (2, 3), 4, 128)
+    assert wire.TensorSpec.from_wire(sinks.to_wire()) == sinks
+    assert wire.TensorSpec.from_wire(tuple(sinks.to_wire())) == sinks
 
 
 # ---- rejections --------------------------------------------------------------------------------
@@ -139,7 +117,7 @@ REJECT: list[tuple[str, bytes, type[WireError], str]] = [
     ("protocol-2", _with_tensors([T], [16], protocol=2), WireError, "unknown protocol version 2"),
     ("protocol-missing", _with_tensors([T], [16], protocol=None), WireError, "unknown protocol version None"),
     ("manifest-not-map", _pack({"type": "begin", "manifest": [1]}), WireError, "manifest must be a map"),
-    ("tensors-not-list", _pack({"type": "begin", "manifest": {**_manifest().to_wire(), "tensors": {"a": 1}}}), WireError, "manifest.tensors must be a list"),
+    ("tensors-not-list", _pack({"type": "begin", "manifest": {**manifest().to_wire(), "tensors": {"a": 1}}}), WireError, "manifest.tensors must be a list"),
     ("duplicate-name", _with_tensors([T, _t(offset=64)], [128]), ManifestError, "duplicate tensor name 'model.norm.weight'"),
     ("overflow", _with_tensors([_t(offset=8)], [16]), ManifestError, "overflow bucket 0 of 16 bytes"),
     ("overflow-huge-offset", _with_tensors([_t(offset=(1 << 62) - 8)], [16]), ManifestError, "overflow bucket"),
@@ -215,14 +193,14 @@ def test_decode_rejects(data: bytes, exc: type[WireError], phrase: str) -> None:
 
 
 def test_decode_rejects_header_over_max_bytes() -> None:
-    data = wire.encode(wire.Begin(_manifest()))
-    assert wire.decode(data, max_bytes=len(data)) == wire.Begin(_manifest())
+    data = wire.encode(wire.Begin(manifest()))
+    assert wire.decode(data, max_bytes=len(data)) == wire.Begin(manifest())
     with pytest.raises(WireError, match=rf"header of {len(data)} bytes exceeds the limit of {len(data) - 1}"):
         wire.decode(data, max_bytes=len(data) - 1)
 
 
 def test_decode_rejects_too_many_tensors() -> None:
-    data = wire.encode(wire.Begin(_manifest()))  # 4 tensors
+    data = wire.encode(wire.Begin(manifest()))  # 4 tensors
     assert len(wire.decode(data, max_tensors=4).manifest.tensors) == 4  # type: ignore[union-attr]
     with pytest.raises(WireError, match="manifest lists 4 tensors, more than the limit 3"):
         wire.decode(data, max_tensors=3)
@@ -238,11 +216,11 @@ def test_ack_ok_is_coerced_to_bool() -> None:
 @pytest.mark.parametrize(
     ("tensors", "sizes", "phrase"),
     [
-        ([_spec("a", offset=0), _spec("b", offset=8)], [64], "tensor b overlaps tensor a in bucket 0"),
-        ([_spec("a", offset=8), _spec("b", offset=0)], [64], "tensor a overlaps tensor b in bucket 0"),
-        ([_spec("a", offset=0), _spec("a", offset=64)], [128], "duplicate tensor name 'a'"),
-        ([_spec("a", offset=56)], [64], "bytes [56, 72) overflow bucket 0 of 64 bytes"),
-        ([_spec("a", bucket=2)], [64, 64], "bucket 2 does not exist (2 buckets)"),
+        ([spec("a", offset=0), spec("b", offset=8)], [64], "tensor b overlaps tensor a in bucket 0"),
+        ([spec("a", offset=8), spec("b", offset=0)], [64], "tensor a overlaps tensor b in bucket 0"),
+        ([spec("a", offset=0), spec("a", offset=64)], [128], "duplicate tensor name 'a'"),
+        ([spec("a", offset=56)], [64], "bytes [56, 72) overflow bucket 0 of 64 bytes"),
+        ([spec("a", bucket=2)], [64, 64], "bucket 2 does not exist (2 buckets)"),
     ],
     ids=["overlap", "overlap-reverse", "duplicate", "overflow", "no-bucket"],
 )
@@ -256,10 +234,10 @@ def test_check_layout_rejects(tensors: list[wire.TensorSpec], sizes: list[int], 
 @pytest.mark.parametrize(
     ("tensors", "sizes"),
     [
-        ([_spec("a", offset=0), _spec("b", offset=16)], [32]),  # touching, not overlapping
-        ([_spec("a", offset=0), _spec("b", bucket=1, offset=0)], [16, 16]),  # same offset, other bucket
-        ([_spec("a", offset=16), _spec("b", offset=0)], [32]),  # out of offset order
-        ([_spec("z", shape=(0,), offset=0), _spec("a", offset=0)], [16]),  # zero-size tensor
+        ([spec("a", offset=0), spec("b", offset=16)], [32]),  # touching, not overlapping
+        ([spec("a", offset=0), spec("b", bucket=1, offset=0)], [16, 16]),  # same offset, other bucket
+        ([spec("a", offset=16), spec("b", offset=0)], [32]),  # out of offset order
+        ([spec("z", shape=(0,), offset=0), spec("a", offset=0)], [16]),  # zero-size tensor
         ([], []),
     ],
     ids=["touching", "other-bucket", "unsorted", "zero-size", "empty"],
