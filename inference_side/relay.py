@@ -29,9 +29,9 @@ from typing import Any
 from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ConfigError, TransportError, UpdateFailed
+from bridge.sender import PublishReport, UpdateSender
 from inference_side.receiver import ApplyResult, StagedBucket, SyncReceiver
 from inference_side.server import resolve_config
-from trainer_side.publisher import PublishReport
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +53,14 @@ class RelayGate:
     and applies an update by forwarding its staged buckets to the local engines."""
 
     def __init__(self, engines: list[str], config: BridgeConfig, name: str) -> None:
-        from trainer_side.publisher import WeightPublisher
-
         self.config = config
         self._stream: _Forward | None = None
         if not engines:
             raise ConfigError("a relay needs at least one local engine endpoint")
         self.name = name
         self.endpoints = list(engines)
-        self._forwarder = WeightPublisher(engines, config=config, name=name, transport="shm")
-        self._lock = threading.Lock()  # one forward at a time (the publisher's sockets are not thread-safe)
+        self._forwarder = UpdateSender(engines, config=config, name=name, transport="shm")
+        self._lock = threading.Lock()  # one forward at a time (the sender's sockets are not thread-safe)
         self._state = threading.Lock()  # guards ending self._stream
         try:
             infos = self._forwarder.engines()
