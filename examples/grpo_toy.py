@@ -19,7 +19,7 @@ on the rollouts themselves (engine's sampling logprobs vs the trainer's float32 
 
     python examples/grpo_toy.py --steps 30
 
-or as a Ray job on a cluster: ``python -m trainer_side.ray_job --loop grpo`` (see trainer_side/ray_job.py).
+or as a Ray job on a cluster: ``python -m apps.ray_job --loop grpo`` (see apps/ray_job.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    kind: str = "tiny"          # policy: a dense preset of bridge.tiny_models (tiny: 2 layers, vocab 512)
+    kind: str = "tiny"          # policy: a dense preset of devtools.tiny_models (tiny: 2 layers, vocab 512)
     steps: int = 30
     prompts: int = 4            # distinct prompts per step
     group: int = 8              # completions sampled per prompt (the GRPO group)
@@ -53,7 +53,7 @@ class GRPOConfig:
 
 
 HELP = {
-    "kind": "policy preset of bridge.tiny_models", "steps": "GRPO steps (one published version each)",
+    "kind": "policy preset of devtools.tiny_models", "steps": "GRPO steps (one published version each)",
     "prompts": "distinct prompts per step", "group": "completions sampled per prompt (the GRPO group)",
     "prompt_len": "tokens per prompt", "max_tokens": "tokens per completion", "temperature": "sampling temperature",
     "lr": "Adam learning rate", "target_tokens": "reward counts completion tokens with id below this",
@@ -125,7 +125,7 @@ def sample(actors: list[Any], batch: list[list[int]], **kwargs: Any) -> list[dic
 
 def make_policy(cfg: GRPOConfig) -> Any:
     """A tiny random Qwen2-style policy in float32 (the trainer's precision)."""
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
 
     return build_model(cfg.kind, cfg.seed).float()
 
@@ -137,9 +137,9 @@ def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
     import ray
     import torch
 
+    from apps.ray_job import sync_summary
     from trainer_side import WeightPublisher
     from trainer_side.probe import build_probe
-    from trainer_side.ray_job import sync_summary
 
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
@@ -197,8 +197,8 @@ def parse(argv: list[str] | None = None) -> tuple[GRPOConfig, argparse.Namespace
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    from bridge.tiny_models import save_checkpoint
-    from trainer_side.ray_job import start_engine, sync_passed
+    from apps.ray_job import start_engine, sync_passed
+    from devtools.tiny_models import save_checkpoint
 
     cfg, args = parse(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -66,7 +66,7 @@ def ray_session() -> Any:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: Any) -> Any:
     """make(kind, seed) -> a checkpoint directory (cached per session)."""
-    from bridge.tiny_models import make_checkpoint
+    from devtools.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     cache: dict[tuple[str, int], Path] = {}
@@ -85,7 +85,7 @@ _ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
 
 def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
     """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (one subprocess)."""
-    from bridge.coldload import cold_outputs
+    from devtools.coldload import cold_outputs
 
     todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
     if todo:
@@ -97,7 +97,7 @@ def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = P
 def run_trainer(endpoint: str, kind: str, seeds: list[int], first_version: int, save_dir: Path | None = None,
                 transport: str | None = None, config: str | None = None, timeout: float = 600) -> list[dict[str, Any]]:
     """Publish from a separate trainer process; return its JSON report lines."""
-    cmd = [sys.executable, "-m", "trainer_side.job", "--endpoint", endpoint, "--kind", kind, "--version", str(first_version)]
+    cmd = [sys.executable, "-m", "apps.job", "--endpoint", endpoint, "--kind", kind, "--version", str(first_version)]
     for s in seeds:
         cmd += ["--seed", str(s)]
     if save_dir:

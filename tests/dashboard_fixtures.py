@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bridge.metrics import MetricsHub
+from apps.metrics import MetricsHub
 from bridge.records import SyncRecord
 
 STALE_TENSOR = "model.layers.0.self_attn.sinks"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.metrics import FAILURE_CLASSES, MetricsHub, failure_class
+from apps.metrics import FAILURE_CLASSES, MetricsHub, failure_class
 from bridge.records import SyncRecord
 from tests.dashboard_fixtures import GB, STALE_TENSOR, ok_record, sample_hub, stale_record, status
 

@@ -13,7 +13,7 @@ from bridge import wire
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
 
     return build_model("tiny", 2)  # bfloat16, as build_model returns it
 

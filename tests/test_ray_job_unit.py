@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from apps.ray_job import engine_names, parse, sync_passed, sync_summary
 from trainer_side.publisher import EngineReport, PublishReport
-from trainer_side.ray_job import engine_names, parse, sync_passed, sync_summary
 
 
 @pytest.mark.parametrize(("count", "names"), [

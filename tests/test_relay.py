@@ -325,7 +325,7 @@ def test_relay_command_runs_a_relay_process(host: Any) -> None:
 
     from tests.conftest import ROOT, child_env
 
-    cmd = [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
+    cmd = [sys.executable, "-m", "apps.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
     for endpoint in host["endpoints"]:
         cmd += ["--engine", endpoint]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())

@@ -4,7 +4,7 @@
 Against a cluster started with ``ray start --head``, from the repository root::
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m trainer_side.ray_job --loop grpo --steps 20
+        python -m apps.ray_job --loop grpo --steps 20
 
 The driver writes the initial policy as a checkpoint, starts ``--engines`` engine actors at once (named
 ``--actor-name``, then ``NAME-1``, ``NAME-2``, ... in namespace ``--namespace``, so
@@ -168,7 +168,7 @@ def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Ite
     every engine between syncs (``generated``: one list of completions per engine)."""
     import ray
 
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
     from trainer_side.probe import build_probe
     from trainer_side.publisher import WeightPublisher
 
@@ -192,7 +192,7 @@ def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: An
 def run(args: JobArgs) -> int:
     import ray
 
-    from bridge.tiny_models import build_model, save_checkpoint
+    from devtools.tiny_models import build_model, save_checkpoint
 
     if args.loop == "grpo":
         try:
@@ -235,7 +235,7 @@ def run(args: JobArgs) -> int:
 
 
 def parse(argv: list[str] | None = None) -> JobArgs:
-    p = argparse.ArgumentParser(prog="trainer_side.ray_job", description=__doc__,
+    p = argparse.ArgumentParser(prog="apps.ray_job", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loop", choices=["grpo", "versions"], default="grpo", help="what the trainer does each step (default: grpo)")
     p.add_argument("--kind", default="tiny", help="model preset: tiny, 50m, 350m, 1b (versions also: gpt_oss)")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(parse(argv))
     except BridgeError as exc:
-        print(f"trainer_side.ray_job: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"apps.ray_job: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERROR
 
 
