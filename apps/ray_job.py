@@ -12,7 +12,7 @@ The driver writes the initial policy as a checkpoint, starts ``--engines`` engin
 step to all of them in one publish (with ``transport.kind: shm`` the buckets are written once and every
 engine maps them), generating between syncs:
 
-* ``--loop grpo``: the GRPO example (``examples/grpo_toy.py``, needs the repository as working dir); each
+* ``--loop grpo``: the GRPO toy loop (``apps/grpo_toy.py``, also run by ``examples/grpo_toy.py``); each
   step's rollouts are split across the engines, which sample their shares at once;
 * ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``); every
   engine generates greedily from the same prompts.
@@ -45,7 +45,7 @@ EXIT_ERROR = 2
 
 
 class JobError(BridgeError):
-    """The job cannot run as asked (loop not available, engine did not start)."""
+    """The job cannot run as asked (an engine did not start)."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Ite
 
 
 def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: Any) -> Iterator[dict[str, Any]]:
-    from examples.grpo_toy import GRPOConfig, train
+    from apps.grpo_toy import GRPOConfig, train
 
     cfg = GRPOConfig(kind=args.kind, steps=args.steps, seed=args.seed)
     return train(cfg, policy, actors, endpoints, config=args.config)
@@ -195,12 +195,7 @@ def run(args: JobArgs) -> int:
     from devtools.tiny_models import build_model, save_checkpoint
 
     if args.loop == "grpo":
-        try:
-            from examples.grpo_toy import make_policy
-        except ModuleNotFoundError as exc:
-            raise JobError(f"--loop grpo needs the repository's examples/ package ({exc}); submit with "
-                           "--working-dir at the repository root") from exc
-        from examples.grpo_toy import GRPOConfig
+        from apps.grpo_toy import GRPOConfig, make_policy
 
         policy = make_policy(GRPOConfig(kind=args.kind, seed=args.seed))
     else:

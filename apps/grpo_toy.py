@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, args = parse(argv)
     logging.basicConfig(level=logging.WARNING)
-    ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False,
-             **({} if args.ray_address else {"num_cpus": 2}))
+    local: dict[str, Any] = {} if args.ray_address else {"num_cpus": 2}  # a local Ray: 2 CPUs
+    ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False, **local)
     policy = make_policy(cfg)
     with tempfile.TemporaryDirectory(prefix="grpo-toy-") as tmp:
         checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
