@@ -21,9 +21,10 @@ from bridge import wire
 from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
+from bridge.report import FailureKind, describe, kind_of, parse_kind
 from bridge.served import conflict_reason, differing, published_sums
 from bridge.shm import sweep_orphans
-from bridge.transports import COLLECTIVE_BACKENDS, send_plane
+from bridge.transports import send_plane
 from bridge.transports.base import OutgoingBucket, SendPlane
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class EngineReport:
     verified: bool
     noop: bool = False
     engine: dict[str, Any] = field(default_factory=dict)
+    kind: FailureKind | None = None  # why it failed (None when ok); ``reason`` says it for people
 
 
 @dataclass(frozen=True)
@@ -136,9 +138,7 @@ class UpdateSender:
     def _plane(self) -> SendPlane:
         plane = self._planes.get(self.transport)
         if plane is None:
-            tcfg = self.config.transport
-            options = {"host": tcfg.collective_host, "timeout_s": self.config.deadlines.connect_s} if self.transport in COLLECTIVE_BACKENDS else {}
-            plane = self._planes[self.transport] = send_plane(self.transport, **options)
+            plane = self._planes[self.transport] = send_plane(self.transport, self.config)
         plane.configure(self.config.transport.depth)
         return plane
 
@@ -304,7 +304,7 @@ class UpdateSender:
             for peer in self._peers:
                 if peer.ack is None:
                     self._send(peer, wire.Abort(version=version, reason=str(exc)))
-                    peer.ack = wire.Ack(version=version, ok=False, reason=f"{type(exc).__name__}: {exc}")
+                    peer.ack = wire.Ack(version=version, ok=False, reason=describe(exc), kind=kind_of(exc).value)
         finally:
             plane.release(failed=any(p.ack is None or not p.ack.ok for p in self._peers))
         seconds["total"] = time.perf_counter() - t_start
@@ -312,7 +312,9 @@ class UpdateSender:
         failed = {e.endpoint: e.reason for e in report.engines if not e.ok}
         if failed:
             detail = "; ".join(f"{ep}: {why}" for ep, why in failed.items())
-            raise UpdateFailed(f"version {version} was not applied by {len(failed)} of {len(self._peers)} engine(s): {detail}", failed)
+            kinds = {e.endpoint: e.kind or FailureKind.OTHER for e in report.engines if not e.ok}
+            raise UpdateFailed(f"version {version} was not applied by {len(failed)} of {len(self._peers)} engine(s): {detail}",
+                               failed, kinds)
         return report
 
     def _check_noops(self, manifest: wire.Manifest, packed: dict[int, tuple[int, ...]]) -> None:
@@ -330,7 +332,7 @@ class UpdateSender:
                 reason = conflict_reason(manifest.version, names, len(manifest.tensors))
                 logger.error("%s: %s", peer.endpoint, reason)
                 self._send(peer, wire.Abort(version=ack.version, reason=reason))  # the engine records it
-                peer.ack = wire.Ack(version=ack.version, ok=False, reason=reason,
+                peer.ack = wire.Ack(version=ack.version, ok=False, reason=reason, kind=FailureKind.CONFLICT.value,
                                     report={**report, "noop": False, "conflicting_tensors": names})
             else:
                 if names is None:
@@ -352,18 +354,20 @@ class UpdateSender:
                 raise DeadlineExceeded(f"apply: no acknowledgement within {ack_s}s")
             for peer in self._peers:
                 if peer.ack is None and now - peer.last_heard > max(3 * heartbeat_s, 5.0):
-                    peer.ack = wire.Ack(version=0, ok=False, reason=f"engine went silent for {now - peer.last_heard:.1f}s (no heartbeat): presumed dead")
+                    peer.ack = wire.Ack(version=0, ok=False, reason=f"engine went silent for {now - peer.last_heard:.1f}s (no heartbeat): presumed dead",
+                                        kind=FailureKind.TIMEOUT.value)
             self._pump(0.05)
 
     def _report(self, manifest: wire.Manifest, seconds: dict[str, float]) -> PublishReport:
         engines = []
         for peer in self._peers:
-            ack = peer.ack or wire.Ack(version=manifest.version, ok=False, reason="no acknowledgement")
+            ack = peer.ack or wire.Ack(version=manifest.version, ok=False, reason="no acknowledgement", kind=FailureKind.TIMEOUT.value)
             eng = dict(ack.report)
             verified = bool(ack.ok and not eng.get("stale_tensors") and not eng.get("identity_violations"))
             engines.append(EngineReport(
                 endpoint=peer.endpoint, version=manifest.version, ok=ack.ok, reason=ack.reason,
                 bytes=manifest.total_bytes, seconds={**seconds, **{f"engine_{k}": v for k, v in eng.get("seconds", {}).items()}},
                 verified=verified, noop=bool(eng.get("noop")), engine=eng,
+                kind=None if ack.ok else (parse_kind(ack.kind) or FailureKind.OTHER),
             ))
         return PublishReport(manifest.version, manifest.total_bytes, seconds, tuple(engines))
