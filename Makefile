@@ -13,11 +13,11 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m bridge.cli demo $(ARGS)
+	$(PY) -m apps.cli demo $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check bridge trainer_side inference_side bench examples tests
-	$(VENV)/bin/mypy bridge trainer_side inference_side bench
+	$(VENV)/bin/ruff check bridge trainer_side inference_side devtools apps bench examples tests
+	$(VENV)/bin/mypy bridge trainer_side inference_side devtools apps bench
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 
 test: lint

@@ -59,7 +59,7 @@ class Plan:
 def parse(argv: list[str] | None) -> Plan:
     p = argparse.ArgumentParser(prog="bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the 50m model only, 3 repetitions, receivers 1 and 2")
-    p.add_argument("--models", default="50m,350m,1b", help="comma-separated presets of bridge.tiny_models")
+    p.add_argument("--models", default="50m,350m,1b", help="comma-separated presets of devtools.tiny_models")
     p.add_argument("--transports", default="zmq,ipc,shm,gloo", help="zmq (tcp://), ipc (ZMQ on ipc://), shm, gloo")
     p.add_argument("--modes", default="staged,streaming")
     p.add_argument("--reps", type=int, default=5)
@@ -333,7 +333,7 @@ def measure_baselines(trainer: Trainer, engines: Engines, plan: Plan, workdir: P
 
 
 def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[str, Any]]:
-    from bridge.tiny_models import make_checkpoint
+    from devtools.tiny_models import make_checkpoint
 
     t0 = time.perf_counter()
     ckpt = make_checkpoint(kind, workdir / f"{kind}-ckpt", CHECKPOINT_SEED)

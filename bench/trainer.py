@@ -16,10 +16,10 @@ import sys
 import time
 from typing import Any
 
+from apps.job import report_line
 from bridge.config import config_from_dict
 from bridge.errors import BridgeError
-from bridge.tiny_models import build_model, save_checkpoint
-from trainer_side.job import report_line
+from devtools.tiny_models import build_model, save_checkpoint
 from trainer_side.publisher import WeightPublisher
 
 

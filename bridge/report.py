@@ -86,6 +86,18 @@ class RankReport:
     def failed(cls, rank: int, exc: BaseException, kind: FailureKind | None = None) -> RankReport:
         return cls(rank, ok=False, kind=kind or kind_of(exc), error=describe(exc))
 
+    @classmethod
+    def coerce(cls, value: RankReport | dict[str, Any]) -> RankReport:
+        """A report as vLLM's ``collective_rpc`` returned it (its serializer may turn dataclasses into maps)."""
+        if isinstance(value, RankReport):
+            return value
+        known = {k: v for k, v in value.items() if k in cls.__dataclass_fields__}
+        for key in ("held", "stale", "identity_violations", "routed_sinks", "routed_bypass", "skipped"):
+            known[key] = tuple(known.get(key, ()))
+        known["kind"] = parse_kind(known.get("kind"))
+        known["seconds"] = dict(known.get("seconds") or {})
+        return cls(**known)
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["kind"] = self.kind.value if self.kind else ""

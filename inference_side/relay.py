@@ -30,11 +30,10 @@ from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, ConfigError, TransportError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, describe, kind_of
+from bridge.sender import PublishReport, UpdateSender
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.receiver import SyncReceiver
 from inference_side.server import resolve_config
-from trainer_side.publisher import PublishReport
-from trainer_side.publisher import WeightPublisher as UpdateSender
 
 logger = logging.getLogger(__name__)
 

@@ -216,7 +216,7 @@ class InferenceServer(EngineGate):
                                   f"served version {self._version} (applied meanwhile by another update)")
                 return
             update.begun = True
-            self._ranks(update, self.llm.collective_rpc("wb_begin", args=([s.name for s in manifest.tensors], self._options())))
+            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self._options()))
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         with self._engine:
@@ -226,7 +226,7 @@ class InferenceServer(EngineGate):
                                   FailureKind.WIRE)
             if update.failure is None:
                 t0 = time.perf_counter()
-                reports = self.llm.collective_rpc("wb_load", args=(bucket.payload(),))
+                reports = self._rpc("wb_load", bucket.payload())
                 update.load_s += time.perf_counter() - t0
                 self._ranks(update, reports)
                 if self._host_copy is not None:
@@ -245,7 +245,7 @@ class InferenceServer(EngineGate):
                 return ApplyResult(False, f"no update of version {manifest.version} is open", FailureKind.WIRE)
             t0 = time.perf_counter()
             if update.failure is None:
-                finished = self.llm.collective_rpc("wb_finish")
+                finished = self._rpc("wb_finish")
                 self._ranks(update, finished)
                 update.ranks = list(finished)
             seconds = {"apply": update.load_s + time.perf_counter() - t0, "stream_load": update.load_s,
@@ -277,6 +277,10 @@ class InferenceServer(EngineGate):
                                             reason=f"update aborted: {reason}", kind=FailureKind.ABORTED.value))
 
     # ---- one update: internals -----------------------------------------------------------------
+    def _rpc(self, method: str, *args: Any) -> list[RankReport]:
+        """One lifecycle call on every TP worker; one report per rank."""
+        return [RankReport.coerce(r) for r in self.llm.collective_rpc(method, args=args)]
+
     def _options(self) -> dict[str, Any]:
         cfg = self.config.router
         return {"router": cfg.enabled, "audit": cfg.audit, "identity": cfg.identity_check}
@@ -296,7 +300,7 @@ class InferenceServer(EngineGate):
         try:
             if not update.begun:
                 return reason
-            self.llm.collective_rpc("wb_abort")
+            self._rpc("wb_abort")
             restored = self._restore(update.manifest) if self._host_copy is not None else None
             if restored:
                 reason += f" (rolled back from the host copy: the engine serves version {self._version})"
@@ -319,10 +323,10 @@ class InferenceServer(EngineGate):
         """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
         bucket = self._host_copy.bucket(manifest)
         try:
-            reports = list(self.llm.collective_rpc("wb_begin", args=([s.name for s in bucket.specs], self._options())))
+            reports = self._rpc("wb_begin", [s.name for s in bucket.specs], self._options())
             if all(r.ok for r in reports):
-                reports += self.llm.collective_rpc("wb_load", args=(bucket.payload(),))
-            reports += self.llm.collective_rpc("wb_finish" if all(r.ok for r in reports) else "wb_abort")
+                reports += self._rpc("wb_load", bucket.payload())
+            reports += self._rpc("wb_finish" if all(r.ok for r in reports) else "wb_abort")
         finally:
             bucket.segment.close()
         failed = first_failure(reports)

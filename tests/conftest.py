@@ -57,7 +57,7 @@ def ray_session() -> Any:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: Any) -> Any:
     """make(kind, seed) -> a checkpoint directory (cached per session)."""
-    from bridge.tiny_models import make_checkpoint
+    from devtools.tiny_models import make_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     cache: dict[tuple[str, int], Path] = {}

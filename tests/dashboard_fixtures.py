@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bridge.metrics import MetricsHub
+from apps.metrics import MetricsHub
 from bridge.records import SyncRecord
 
 STALE_TENSOR = "model.layers.0.self_attn.sinks"
@@ -22,7 +22,7 @@ def ok_record(engine: str, version: int, ts: float, total: float = 1.0, nbytes: 
 
 
 def stale_record(engine: str, version: int, ts: float) -> SyncRecord:
-    return SyncRecord(version=version, engine=engine, ok=False, reason=STALE_REASON, bytes=2 * GB, tensors=290,
+    return SyncRecord(version=version, engine=engine, ok=False, reason=STALE_REASON, kind="stale", bytes=2 * GB, tensors=290,
                       seconds={"receive": 0.4, "apply": 0.3}, stale_tensors=(STALE_TENSOR,), timestamp=ts)
 
 

@@ -109,7 +109,7 @@ _ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
 
 def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
     """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (one subprocess)."""
-    from bridge.coldload import cold_outputs
+    from devtools.coldload import cold_outputs
 
     todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
     if todo:
@@ -121,7 +121,7 @@ def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = P
 def run_trainer(endpoint: str, kind: str, seeds: list[int], first_version: int, save_dir: Path | None = None,
                 transport: str | None = None, config: str | None = None, timeout: float = 600) -> list[dict[str, Any]]:
     """Publish from a separate trainer process; return its JSON report lines."""
-    cmd = [sys.executable, "-m", "trainer_side.job", "--endpoint", endpoint, "--kind", kind, "--version", str(first_version)]
+    cmd = [sys.executable, "-m", "apps.job", "--endpoint", endpoint, "--kind", kind, "--version", str(first_version)]
     for s in seeds:
         cmd += ["--seed", str(s)]
     if save_dir:

@@ -13,7 +13,7 @@ from typing import Any
 def main(endpoint: str, kind: str, seed: int, version: int, delay_s: float, config_json: str) -> None:
     import trainer_side.publisher as publisher
     from bridge.config import config_from_dict
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
 
     real_pack = publisher.pack_bucket
 

@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from bridge.dashboard import DashboardService
-from bridge.metrics import MetricsHub
+from apps.dashboard import DashboardService
+from apps.metrics import MetricsHub
 from tests.dashboard_fixtures import ok_record, sample_records, status
 from tests.helpers import ROOT, child_env, free_port
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bridge.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "apps.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env=child_env(), timeout=timeout, check=False)
 
 
 @pytest.mark.parametrize(("command", "mentions"), [
     ("serve", ["--port", "--host", "--records", "--config", "--actor", "/metrics", "/api/records", "/api/engines"]),
     ("health", ["--url", "--timeout", "Exit status", "DEGRADED", "UNREACHABLE"]),
-    ("demo", ["bridge.demo", "every option", "weight-bridge demo"]),
+    ("demo", ["apps.demo", "every option", "weight-bridge demo"]),
     ("bench", ["bench/run.py", "every option", "weight-bridge bench"]),
     ("relay", ["--engine", "--config", "shared memory", "names the engine"]),
 ])
@@ -40,7 +40,7 @@ def test_subcommand_help_exits_0_and_explains_its_options(command: str, mentions
 
 def test_top_level_help_lists_every_subcommand() -> None:
     script = Path(sys.executable).parent / "weight-bridge"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "bridge.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "apps.cli"]
     proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=60)
     assert proc.returncode == 0
     for command in ("demo", "serve", "bench", "health", "relay"):
@@ -55,7 +55,7 @@ def test_serve_rejects_unknown_options() -> None:
 def test_serve_preloads_records_from_jsonl(tmp_path: Path) -> None:
     path = tmp_path / "records.jsonl"
     path.write_text("\n".join(json.dumps(r.to_dict()) for r in sample_records()) + "\n\n")
-    proc = subprocess.Popen([sys.executable, "-m", "bridge.cli", "serve", "--port", "0", "--records", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", "0", "--records", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
     try:
         assert proc.stdout is not None

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.dashboard import DashboardService, NamedActorSource, Poller
-from bridge.metrics import MetricsHub
+from apps.dashboard import DashboardService, NamedActorSource, Poller
+from apps.metrics import MetricsHub
 from tests.dashboard_fixtures import STALE_TENSOR, ok_record, sample_hub, sample_records, status
 from tests.helpers import ARTIFACTS
 

@@ -15,6 +15,7 @@ import zmq
 from bridge import wire
 from bridge.config import BridgeConfig, config_from_dict
 from bridge.errors import DeadlineExceeded, UpdateFailed
+from bridge.report import FailureKind
 from inference_side import receiver as receiver_mod
 from inference_side import session as session_mod
 from tests.fakes import FakeEngine
@@ -94,7 +95,8 @@ def test_manifest_and_bucket_deadlines(credits: int, phase: str) -> None:
                 pub.publish(WEIGHTS, version=7)
             took = time.monotonic() - t0
         reason = info.value.reasons[peer.endpoint]
-        # the phase that timed out is in the wording only  # TODO(kind): and kinds[peer.endpoint] is TIMEOUT
+        assert info.value.kinds[peer.endpoint] is FailureKind.TIMEOUT, info.value.kinds
+        # the phase that timed out is in the wording only
         assert reason == f"DeadlineExceeded: {phase}: no answer within 1.0s from ['{peer.endpoint}']", reason
         assert took < 5
         end = time.monotonic() + 5
@@ -113,7 +115,7 @@ def test_ack_deadline(start_receiver: Any) -> None:
         t0 = time.monotonic()
         with pytest.raises(UpdateFailed) as info:
             pub.publish(WEIGHTS, version=1)
-    # TODO(kind): and info.value.kinds[rx.endpoint] is FailureKind.TIMEOUT
+    assert info.value.kinds[rx.endpoint] is FailureKind.TIMEOUT, info.value.kinds
     assert info.value.reasons[rx.endpoint] == "DeadlineExceeded: apply: no acknowledgement within 1.0s"
     assert time.monotonic() - t0 < 2.5
 
@@ -163,7 +165,7 @@ def test_receiver_apply_deadline(start_receiver: Any) -> None:
         t0 = time.monotonic()
         with pytest.raises(UpdateFailed) as info:
             pub.publish(WEIGHTS, version=4)
-    # the receiver's Ack carries kind "timeout" (its event below)  # TODO(kind): and kinds[rx.endpoint] is TIMEOUT
+    assert info.value.kinds[rx.endpoint] is FailureKind.TIMEOUT, info.value.kinds  # the receiver's Ack's kind
     assert info.value.reasons[rx.endpoint] == ("DeadlineExceeded: apply of version 4 still running after 1.0s "
                                               "(deadlines.apply_s + deadlines.verify_s)")
     assert time.monotonic() - t0 < 2.5
@@ -246,7 +248,8 @@ def test_publisher_reports_the_first_refusal() -> None:
             pub.publish(WEIGHTS, version=2)
     finally:
         peer.close()
-    assert info.value.reasons[peer.endpoint] == "ChecksumError: the cause"  # TODO(kind): and kinds[...] is CHECKSUM
+    assert info.value.reasons[peer.endpoint] == "ChecksumError: the cause"
+    assert info.value.kinds[peer.endpoint] is FailureKind.CHECKSUM, info.value.kinds
 
 
 # ---- back-pressure ---------------------------------------------------------------------------------

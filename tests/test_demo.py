@@ -16,7 +16,7 @@ pytestmark = pytest.mark.engine
 
 
 def test_demo_prints_verified_sync_lines_and_matches_cold_load(tmp_path: Any) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bridge.cli", "demo", "--syncs", "2", "--workdir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "apps.cli", "demo", "--syncs", "2", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed:\n{out}\n{proc.stderr[-3000:]}"

@@ -41,7 +41,7 @@ def _config() -> Any:
 
 
 def _weights(seed: int) -> list[tuple[str, Any]]:
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
 
     return list(build_model("tiny", seed).named_parameters())
 

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.metrics import FAILURE_CLASSES, MetricsHub, failure_class
+from apps.metrics import FAILURE_CLASSES, MetricsHub, failure_class
 from bridge.records import SyncRecord
+from bridge.report import FailureKind
 from tests.dashboard_fixtures import GB, STALE_TENSOR, ok_record, sample_hub, stale_record, status
 
 
@@ -95,8 +96,8 @@ def test_syncs_counted_by_result_and_failures_by_class() -> None:
     hub.observe(ok_record("a", 1, 1.0))
     hub.observe(SyncRecord(version=1, engine="a", ok=True, noop=True, reason="version 1 already served", timestamp=2.0))
     hub.observe(stale_record("a", 2, 3.0))
-    hub.observe(SyncRecord(version=3, engine="a", ok=False, reason="timeout: no data for 60.0s", timestamp=4.0))
-    hub.observe(SyncRecord(version=4, engine="a", ok=False, reason="timeout: no data for 60.0s", timestamp=5.0))
+    hub.observe(SyncRecord(version=3, engine="a", ok=False, reason="timeout: no data for 60.0s", kind="timeout", timestamp=4.0))
+    hub.observe(SyncRecord(version=4, engine="a", ok=False, reason="timeout: no data for 60.0s", kind="timeout", timestamp=5.0))
     assert value(hub, "weight_bridge_syncs_total", engine="a", result="ok") == 1
     assert value(hub, "weight_bridge_syncs_total", engine="a", result="noop") == 1
     assert value(hub, "weight_bridge_syncs_total", engine="a", result="failed") == 3
@@ -117,7 +118,7 @@ def test_bytes_count_only_delivered_syncs() -> None:
 
 def test_latest_sync_gauges_stale_identity_probe() -> None:
     hub = MetricsHub()
-    hub.observe(SyncRecord(version=1, engine="a", ok=False, reason="rank 1: IdentityError: storage changed during update: w",
+    hub.observe(SyncRecord(version=1, engine="a", ok=False, reason="rank 1: IdentityError: storage changed during update: w", kind="identity",
                            identity_violations=("w", "b"), timestamp=1.0))
     hub.observe(stale_record("b", 1, 2.0))
     hub.observe(ok_record("c", 1, 3.0, probe=0.125))
@@ -133,7 +134,7 @@ def test_latest_sync_gauges_stale_identity_probe() -> None:
 def test_degraded_comes_from_status_or_a_failure_after_loading() -> None:
     hub = MetricsHub()
     hub.observe(ok_record("a", 1, 1.0))
-    hub.observe(SyncRecord(version=2, engine="a", ok=False, reason="refused: ChecksumError: tensor x: checksum mismatch",
+    hub.observe(SyncRecord(version=2, engine="a", ok=False, reason="refused: ChecksumError: tensor x: checksum mismatch", kind="checksum",
                            timestamp=2.0))
     assert value(hub, "weight_bridge_engine_degraded", engine="a") == 0  # refused before loading: still serving v1
     hub.observe(stale_record("a", 3, 3.0))
@@ -171,26 +172,15 @@ def test_engine_view_and_alerts_name_the_problem() -> None:
     assert STALE_TENSOR in stale["message"]
 
 
-@pytest.mark.parametrize(("reason", "expected"), [
-    ("rank 0: AuditError: stale after update: w: sent but never written through a weight loader (stale)", "stale"),
-    ("rank 1: IdentityError: storage changed during update: model.embed_tokens.weight", "identity"),
-    ("refused: ChecksumError: tensor w: checksum mismatch (got 0x1, manifest says 0x2)", "checksum"),
-    ("refused: ManifestError: unknown tensor name 'x': the engine's checkpoint has no such tensor", "manifest"),
-    ("refused: ManifestError: tensor w: shape [2] does not match the engine's [3]", "manifest"),
-    ("refused: NonFiniteError: tensor w: holds NaN or Inf (policy sync.nonfinite=reject)", "nonfinite"),
-    ("refused: VersionError: version 2 is older than the served version 5", "version"),
-    ("version 2 is older than the served version 5", "version"),
-    ("conflict: VersionConflict: version 4 is already served with different weights (1 of 9 tensors differ: w)", "conflict"),
-    ("rank 0: RouterError: w: the model's loader wrote it to no parameter of module 'm'", "router"),
-    ("refused: WireError: bucket 3: 10 bytes arrived, manifest says 20 (truncated?)", "wire"),
-    ("timeout: no data for 60.0s", "timeout"),
-    ("DeadlineExceeded: apply took longer than 600s", "timeout"),
-    ("engine went silent for 9.0s (no heartbeat): presumed dead", "timeout"),
-    ("aborted: trainer interrupted", "aborted"),
-    ("TransportError: tcp://h:1 refused the connection: busy", "transport"),
-    ("", "other"),
-    ("something nobody anticipated", "other"),
-])
-def test_failure_class(reason: str, expected: str) -> None:
-    assert failure_class(reason) == expected
-    assert expected in FAILURE_CLASSES
+@pytest.mark.parametrize("kind", list(FailureKind))
+def test_failure_class_is_the_records_kind(kind: FailureKind) -> None:
+    """The class is the kind field; the reason's words play no part (here they name another failure)."""
+    record = SyncRecord(version=2, engine="a", ok=False, kind=kind.value,
+                        reason="rank 0: ChecksumError: tensor w: checksum mismatch; timeout; stale")
+    assert failure_class(record) == kind.value
+    assert kind.value in FAILURE_CLASSES
+
+
+@pytest.mark.parametrize("kind", ["", "a-kind-from-a-newer-engine"])
+def test_failure_class_without_a_known_kind_is_other(kind: str) -> None:
+    assert failure_class(SyncRecord(version=2, engine="a", ok=False, kind=kind, reason="AuditError: stale")) == "other"

@@ -168,7 +168,7 @@ def _restore_hugging_face_classes() -> Any:
 
 
 def _config(case: Case) -> dict[str, Any]:
-    from bridge.tiny_models import gpt_oss_config
+    from devtools.tiny_models import gpt_oss_config
 
     if case.id == "transformers_backend_gpt_oss":
         return {**gpt_oss_config().to_dict(), "architectures": ["GptOssForCausalLM"]}
@@ -368,7 +368,7 @@ def gpt_oss_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
     # in a child process: transformers' model code in this process may already carry vLLM's kernel hooks
     root = tmp_path_factory.mktemp("gptoss")
-    code = ("import sys; from bridge.tiny_models import make_checkpoint\n"
+    code = ("import sys; from devtools.tiny_models import make_checkpoint\n"
             "for seed in (1, 2, 3): make_checkpoint('gpt_oss', f'{sys.argv[1]}/s{seed}', seed)")
     subprocess.run([sys.executable, "-c", code, str(root)], check=True, env=child_env(), timeout=600)
     return {seed: root / f"s{seed}" for seed in (1, 2, 3)}

@@ -63,7 +63,7 @@ def test_wrong_probe_is_flagged(engine: Any) -> None:
     """Weights of seed 3 published with the probe of seed 4: applied, but the record is flagged."""
     import ray
 
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
     from trainer_side import WeightPublisher
     from trainer_side.probe import build_probe
 

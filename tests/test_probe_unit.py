@@ -13,7 +13,7 @@ from bridge import wire
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
 
     return build_model("tiny", 2)  # bfloat16, as build_model returns it
 
@@ -71,7 +71,7 @@ def test_bad_probe_input_is_named(model: Any, sequences: list[list[int]], messag
 
 
 def test_grpo_reward_and_group_advantages() -> None:
-    from examples.grpo_toy import group_advantages, reward
+    from apps.grpo_toy import group_advantages, reward
 
     assert reward([1, 63, 64, 500], 64) == 0.5 and reward([], 64) == 0.0
     adv = group_advantages([0.0, 1.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2], group=4)
@@ -88,7 +88,7 @@ def test_grpo_completion_logprobs_align_with_probe_scoring(model: Any) -> None:
 
     import torch
 
-    from examples.grpo_toy import completion_logprobs
+    from apps.grpo_toy import completion_logprobs
     from trainer_side.probe import trainer_logprobs
 
     policy = copy.deepcopy(model).float()

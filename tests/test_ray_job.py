@@ -1,7 +1,7 @@
 """Issue 5, Ray job submission and the GRPO example, on a real local Ray head node.
 
 ``ray start --head`` (own ports and temp dir, so other Ray instances on the machine are untouched),
-``ray job submit --working-dir <repo> --no-wait -- python -m trainer_side.ray_job --loop grpo --engines 2``
+``ray job submit --working-dir <repo> --no-wait -- python -m apps.ray_job --loop grpo --engines 2``
 with ``configs/same-host.yaml`` (shared memory: one copy of each bucket for both engines), poll until the
 job ends, read its logs: the job succeeded, every sync passed on both engines (applied, audited, probe
 within bound, over shm) and the GRPO reward rose. While the job runs, ``weight-bridge serve --actor``
@@ -122,7 +122,7 @@ def _get_json(url: str) -> Any:
 
 def _start_dashboard(gcs: str) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "bridge.cli", "serve", "--port", str(port), "--ray-address", gcs,
+    cmd = [sys.executable, "-m", "apps.cli", "serve", "--port", str(port), "--ray-address", gcs,
            *[arg for name in ACTORS for arg in ("--actor", name)], "--poll-interval", "0.5"]
     proc = subprocess.Popen(cmd, env=_ray_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -149,7 +149,7 @@ def _render_dashboard(url: str) -> Any:
 def job(head: Any) -> Any:
     """Submit the GRPO job, watch it (and its actor through the dashboard) until it ends."""
     submission_id = f"wb-grpo-{uuid.uuid4().hex[:8]}"
-    entry = ["python", "-m", "trainer_side.ray_job", "--loop", "grpo", "--steps", str(STEPS),
+    entry = ["python", "-m", "apps.ray_job", "--loop", "grpo", "--steps", str(STEPS),
              "--actor-name", ACTOR, "--engines", str(len(ACTORS)), "--config", "configs/same-host.yaml", "--linger", "30"]
     address = head["dashboard"]
     submit = _ray("job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from apps.ray_job import engine_names, parse, sync_passed, sync_summary
 from trainer_side.publisher import EngineReport, PublishReport
-from trainer_side.ray_job import engine_names, parse, sync_passed, sync_summary
 
 
 @pytest.mark.parametrize(("count", "names"), [
@@ -27,7 +27,7 @@ def test_engine_names_keep_the_first_name(count: int, names: list[str]) -> None:
     (0, 2, [(0, 0), (0, 0)]),
 ])
 def test_rollout_shares_cover_the_batch_in_order(count: int, parts: int, spans: list[tuple[int, int]]) -> None:
-    from examples.grpo_toy import shares
+    from apps.grpo_toy import shares
 
     got = shares(count, parts)
     assert got == spans
@@ -35,7 +35,7 @@ def test_rollout_shares_cover_the_batch_in_order(count: int, parts: int, spans: 
 
 
 def test_rollout_shares_refuse_zero_engines() -> None:
-    from examples.grpo_toy import shares
+    from apps.grpo_toy import shares
 
     with pytest.raises(ValueError, match="parts must be >= 1"):
         shares(8, 0)

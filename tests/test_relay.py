@@ -16,6 +16,7 @@ import torch
 from bridge import wire
 from bridge.config import config_from_dict
 from bridge.errors import UpdateFailed
+from bridge.report import FailureKind
 from tests.fakes import FakeEngine
 from tests.helpers import plan_manifest, wait_until
 from tests.helpers import weights as _weights
@@ -65,7 +66,8 @@ def test_relay_names_the_engine_that_refused(host: Any) -> None:
     assert _publish(host["relay"].endpoint(), _weights(1), 3).ok
     with pytest.raises(UpdateFailed) as info:
         _publish(host["relay"].endpoint(), _weights(2), 4)
-    # the engine's own refusal, by kind  # TODO(kind): and the relay's UpdateFailed.kinds say VERSION too
+    assert info.value.kinds[host["relay"].endpoint()] is FailureKind.VERSION, info.value.kinds  # passed on by the relay
+    # the engine's own refusal, by kind
     assert [(k, d["kind"], d["version"]) for k, d in host["events"][1]] == [("refused", "version", 4)], host["events"]
     assert host["events"][0] == []
     message = str(info.value)
@@ -289,7 +291,7 @@ def test_relay_command_runs_a_relay_process(host: Any) -> None:
 
     from tests.helpers import ROOT, child_env
 
-    cmd = [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
+    cmd = [sys.executable, "-m", "apps.cli", "--log-level", "WARNING", "relay", "--name", "relay-cli"]
     for endpoint in host["endpoints"]:
         cmd += ["--engine", endpoint]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())

@@ -15,6 +15,7 @@ import torch
 from bridge import wire
 from bridge.config import config_from_dict
 from bridge.errors import UpdateFailed
+from bridge.report import FailureKind
 from bridge.served import ServedContent, conflict_reason, differing, published_sums
 from tests.fakes import FakeEngine
 from tests.helpers import manifest, spec, wait_until, weights
@@ -131,7 +132,7 @@ def test_same_version_with_other_weights_is_a_conflict_not_a_noop(start_receiver
         assert pub.publish(first, 1).ok
         with pytest.raises(UpdateFailed) as info:
             pub.publish(other, 1)
-        # TODO(kind): and info.value.kinds[rx.endpoint] is FailureKind.CONFLICT (the publisher's own verdict)
+        assert info.value.kinds[rx.endpoint] is FailureKind.CONFLICT, info.value.kinds  # the publisher's own verdict
         assert [(d["kind"], d["version"]) for d in _conflicts(events, 1)] == [("conflict", 1)], events
         reason = info.value.reasons[rx.endpoint]
         assert f"({len(changed)} of 6 tensors differ: {changed[0]}" in reason, reason  # what people read
@@ -185,7 +186,7 @@ def test_a_relay_passes_the_conflict_on(start_receiver: Any) -> None:
         relay.shutdown()
     # both engines heard of the conflict from the relay (its Abort), each on its receiver's own thread
     assert [(d["kind"], d["version"]) for d in _conflicts(events, 2)] == [("conflict", 1)] * 2, events
-    # TODO(kind): and info.value.kinds[relay endpoint] is FailureKind.CONFLICT, passed on by the relay
+    assert info.value.kinds[relay.endpoint()] is FailureKind.CONFLICT, info.value.kinds  # passed on by the relay
     message = str(info.value)
     assert all(f"{ep}: " in message for ep in endpoints), message  # both engines named
     assert message.count("6 of 6 tensors differ") == 2, message

@@ -56,7 +56,7 @@ def shm_segments(*pids: int) -> int:
 
 
 def test_soak(request: Any, ray_session: Any, checkpoints: Any) -> None:
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
     from inference_side import InferenceActor
     from trainer_side import WeightPublisher
 

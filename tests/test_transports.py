@@ -109,7 +109,7 @@ def test_streaming_shm_matches_cold_load(engine: Any) -> None:
     import re
     from collections import Counter
 
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
 
     record = _publish(engine, "stream-shm", "shm", "streaming", before=(103,))
     assert "stream_load" in record["seconds"], record

@@ -1,7 +1,7 @@
 """Run the dashboard app with uvicorn, in a background thread or in the foreground.
 
 ``DashboardService(hub).start()`` binds loopback by default; port 0 picks a free port (see ``.url``).
-The ``Poller`` that feeds the hub from engines lives in ``bridge.dashboard.poller``.
+The ``Poller`` that feeds the hub from engines lives in ``apps.dashboard.poller``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 
 import uvicorn
 
+from apps.dashboard.app import DashboardError, make_app
+from apps.dashboard.poller import NamedActorSource, Poller, Source, ray_source, server_source
+from apps.metrics import MetricsHub
 from bridge.config import ServeConfig
-from bridge.dashboard.app import DashboardError, make_app
-from bridge.dashboard.poller import NamedActorSource, Poller, Source, ray_source, server_source
-from bridge.metrics import MetricsHub
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 Against a cluster started with ``ray start --head``, from the repository root::
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m trainer_side.ray_job --loop grpo --steps 20
+        python -m apps.ray_job --loop grpo --steps 20
 
 The driver writes the initial policy as a checkpoint, starts ``--engines`` engine actors at once (named
 ``--actor-name``, then ``NAME-1``, ``NAME-2``, ... in namespace ``--namespace``, so
@@ -12,7 +12,7 @@ The driver writes the initial policy as a checkpoint, starts ``--engines`` engin
 step to all of them in one publish (with ``transport.kind: shm`` the buckets are written once and every
 engine maps them), generating between syncs:
 
-* ``--loop grpo``: the GRPO example (``examples/grpo_toy.py``, needs the repository as working dir); each
+* ``--loop grpo``: the GRPO toy loop (``apps/grpo_toy.py``, also run by ``examples/grpo_toy.py``); each
   step's rollouts are split across the engines, which sample their shares at once;
 * ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``); every
   engine generates greedily from the same prompts.
@@ -45,7 +45,7 @@ EXIT_ERROR = 2
 
 
 class JobError(BridgeError):
-    """The job cannot run as asked (loop not available, engine did not start)."""
+    """The job cannot run as asked (an engine did not start)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Ite
     every engine between syncs (``generated``: one list of completions per engine)."""
     import ray
 
-    from bridge.tiny_models import build_model
+    from devtools.tiny_models import build_model
     from trainer_side.probe import build_probe
     from trainer_side.publisher import WeightPublisher
 
@@ -183,7 +183,7 @@ def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Ite
 
 
 def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: Any) -> Iterator[dict[str, Any]]:
-    from examples.grpo_toy import GRPOConfig, train
+    from apps.grpo_toy import GRPOConfig, train
 
     cfg = GRPOConfig(kind=args.kind, steps=args.steps, seed=args.seed)
     return train(cfg, policy, actors, endpoints, config=args.config)
@@ -192,15 +192,10 @@ def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: An
 def run(args: JobArgs) -> int:
     import ray
 
-    from bridge.tiny_models import build_model, save_checkpoint
+    from devtools.tiny_models import build_model, save_checkpoint
 
     if args.loop == "grpo":
-        try:
-            from examples.grpo_toy import make_policy
-        except ModuleNotFoundError as exc:
-            raise JobError(f"--loop grpo needs the repository's examples/ package ({exc}); submit with "
-                           "--working-dir at the repository root") from exc
-        from examples.grpo_toy import GRPOConfig
+        from apps.grpo_toy import GRPOConfig, make_policy
 
         policy = make_policy(GRPOConfig(kind=args.kind, seed=args.seed))
     else:
@@ -235,7 +230,7 @@ def run(args: JobArgs) -> int:
 
 
 def parse(argv: list[str] | None = None) -> JobArgs:
-    p = argparse.ArgumentParser(prog="trainer_side.ray_job", description=__doc__,
+    p = argparse.ArgumentParser(prog="apps.ray_job", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loop", choices=["grpo", "versions"], default="grpo", help="what the trainer does each step (default: grpo)")
     p.add_argument("--kind", default="tiny", help="model preset: tiny, 50m, 350m, 1b (versions also: gpt_oss)")
@@ -267,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(parse(argv))
     except BridgeError as exc:
-        print(f"trainer_side.ray_job: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"apps.ray_job: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_ERROR
 
 

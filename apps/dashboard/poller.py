@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bridge.metrics import MetricsHub
+from apps.metrics import MetricsHub
 from bridge.records import SyncRecord
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ def _delegate(module: str, parser: argparse.ArgumentParser, argv: list[str]) -> 
             print(f"  ({module} is not present in this installation)")
             return 0
         raise CliError(f"{module} is not importable ({exc}); it ships with the repository: run from its root "
-                       f"(python -m bridge.cli ...) after scripts/setup_env.sh") from exc
+                       f"(python -m apps.cli ...) after scripts/setup_env.sh") from exc
     try:
         return int(entry(argv) or 0)
     except SystemExit as exc:  # argparse --help / usage errors inside the delegate
@@ -60,7 +60,7 @@ def _delegate(module: str, parser: argparse.ArgumentParser, argv: list[str]) -> 
 
 
 def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
-    return _delegate("bridge.demo", args.parser, extra)
+    return _delegate("apps.demo", args.parser, extra)
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -88,9 +88,9 @@ def load_records(path: Path) -> list[Any]:
 
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from bridge.dashboard.poller import NamedActorSource, Source
-    from bridge.dashboard.service import DashboardService
-    from bridge.metrics import MetricsHub
+    from apps.dashboard.poller import NamedActorSource, Source
+    from apps.dashboard.service import DashboardService
+    from apps.metrics import MetricsHub
 
     config = load_config(args.config)
     hub = MetricsHub.from_config(config)
@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("demo", cmd_demo, "run the end-to-end demo: a trainer streams weights into running vLLM engines",
         "Run the end-to-end demo: start tiny vLLM engines, publish new policy weights from a trainer\n"
-        "process, verify every update, and show the results. Implemented by bridge.demo; every option\n"
-        "after `demo` is passed to it.", delegated="bridge.demo",
+        "process, verify every update, and show the results. Implemented by apps.demo; every option\n"
+        "after `demo` is passed to it.", delegated="apps.demo",
         epilog="example:\n  weight-bridge demo            # or: make demo")
     add("bench", cmd_bench, "measure sync latency and throughput (bench/run.py)",
         "Benchmark weight syncs: latency per phase and GB/s for several model sizes and transports.\n"

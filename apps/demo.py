@@ -2,7 +2,7 @@
 
 ``make demo`` (or ``weight-bridge demo``) builds a tiny random GPT-OSS checkpoint (attention sinks and
 MoE experts: the tensors stock layerwise reload leaves stale), starts a local Ray with one
-``InferenceActor`` serving it, then runs ``trainer_side.job`` as a separate process that publishes
+``InferenceActor`` serving it, then runs ``apps.job`` as a separate process that publishes
 versions 2..N+1, each with new random values for every tensor. It prints one line per sync, then
 compares the engine's greedy tokens and logprobs with an engine cold-loaded from the last version.
 """
@@ -67,7 +67,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _run_trainer(endpoint: str, args: DemoArgs) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "trainer_side.job", "--endpoint", endpoint, "--kind", args.kind,
+    cmd = [sys.executable, "-m", "apps.job", "--endpoint", endpoint, "--kind", args.kind,
            "--version", "2", "--save-dir", str(args.workdir / "versions")]
     for seed in range(2, args.syncs + 2):
         cmd += ["--seed", str(seed)]
@@ -103,8 +103,8 @@ def run(args: DemoArgs) -> int:
     import ray
     from transformers.utils import logging as hf_logging
 
-    from bridge.coldload import cold_outputs
-    from bridge.tiny_models import make_checkpoint
+    from devtools.coldload import cold_outputs
+    from devtools.tiny_models import make_checkpoint
     from inference_side import InferenceActor
 
     hf_logging.disable_progress_bar()

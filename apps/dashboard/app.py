@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import FastAPI, Query, Response
 from fastapi.responses import HTMLResponse
 
-from bridge.dashboard.poller import Poller, Source
+from apps.dashboard.poller import Poller, Source
+from apps.metrics import METRICS_CONTENT_TYPE, MetricsHub
 from bridge.errors import BridgeError
-from bridge.metrics import METRICS_CONTENT_TYPE, MetricsHub
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ thread; ``Poller`` feeds the hub from engines' ``status()``/``records()``.
 
 from __future__ import annotations
 
-from bridge.dashboard.app import DashboardError, make_app
-from bridge.dashboard.poller import NamedActorSource, Poller, Source, ray_source, server_source
-from bridge.dashboard.service import DashboardService
+from apps.dashboard.app import DashboardError, make_app
+from apps.dashboard.poller import NamedActorSource, Poller, Source, ray_source, server_source
+from apps.dashboard.service import DashboardService
 
 __all__ = ["DashboardError", "DashboardService", "NamedActorSource", "Poller", "Source", "make_app",
            "ray_source", "server_source"]

@@ -1,6 +1,6 @@
 """A plain vLLM engine cold-loaded from a checkpoint, with no weight-bridge code in it.
 
-The reference every update is compared against: ``python -m bridge.coldload --model DIR --tp 1
+The reference every update is compared against: ``python -m devtools.coldload --model DIR --tp 1
 --dtype bfloat16 --prompts '[[1,2,3]]'`` prints ``COLD {json}`` (greedy tokens and per-token logprobs
 per model) on its last line. Run as its own process: vLLM spawns workers and needs the main guard.
 """
@@ -26,7 +26,7 @@ class ColdLoadError(BridgeError):
 def cold_outputs(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_tokens: int = 8,
                  env: dict[str, str] | None = None, timeout_s: float = 900) -> dict[str, list[dict[str, Any]]]:
     """Greedy outputs of an engine cold-loaded from each model directory (one subprocess for all)."""
-    cmd = [sys.executable, "-m", "bridge.coldload", "--tp", str(tp), "--dtype", dtype,
+    cmd = [sys.executable, "-m", "devtools.coldload", "--tp", str(tp), "--dtype", dtype,
            "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens)]
     for m in models:
         cmd += ["--model", m]
@@ -66,7 +66,7 @@ def _run(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bridge.coldload", description=__doc__)
+    p = argparse.ArgumentParser(prog="devtools.coldload", description=__doc__)
     p.add_argument("--model", action="append", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")

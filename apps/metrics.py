@@ -9,7 +9,6 @@ shows is derived here, so the page and ``/metrics`` always agree.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from prometheus_client import (
 
 from bridge.config import BridgeConfig, ProbeConfig, ServeConfig
 from bridge.records import PHASES, SyncRecord
+from bridge.report import FailureKind, parse_kind
 
 logger = logging.getLogger(__name__)
 
@@ -37,46 +37,13 @@ PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 MAX_ALERT_ITEMS = 5
 MAX_ALERT_CHARS = 300
 
-# Failure classes, most specific first. A reason names an exception class of bridge/errors.py when it
-# comes from a raise ("rank 0: AuditError: stale after update: ..."); otherwise its words decide.
-_BY_EXCEPTION: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("stale", ("AuditError",)),
-    ("identity", ("IdentityError",)),
-    ("checksum", ("ChecksumError",)),
-    ("nonfinite", ("NonFiniteError",)),
-    ("manifest", ("ManifestError",)),
-    ("conflict", ("VersionConflict",)),
-    ("version", ("VersionError",)),
-    ("router", ("RouterError",)),
-    ("timeout", ("DeadlineExceeded", "TimeoutError")),
-    ("wire", ("WireError",)),
-    ("transport", ("TransportError", "ConnectionError")),
-)
-_BY_PHRASE: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("stale", ("stale",)),
-    ("identity", ("storage changed", "identity")),
-    ("checksum", ("checksum",)),
-    ("nonfinite", ("nan or inf", "non-finite", "nonfinite")),
-    ("timeout", ("timeout", "timed out", "deadline", "went silent", "no heartbeat")),
-    ("version", ("older than the served version",)),
-    ("wire", ("truncated", "unknown protocol", "unexpected message", "unexpected bucket")),
-    ("manifest", ("manifest", "unknown tensor name")),
-    ("aborted", ("aborted",)),
-    ("transport", ("refused the connection", "connection")),
-)
-FAILURE_CLASSES = tuple(dict.fromkeys([c for c, _ in _BY_EXCEPTION] + [c for c, _ in _BY_PHRASE] + ["other"]))
+FAILURE_CLASSES = tuple(k.value for k in FailureKind)
 
 
-def failure_class(reason: str) -> str:
-    """Map a failed sync's free-text reason to one short class (a bounded label value)."""
-    for cls, names in _BY_EXCEPTION:
-        if any(re.search(rf"\b{name}\b", reason) for name in names):
-            return cls
-    lowered = reason.lower()
-    for cls, phrases in _BY_PHRASE:
-        if any(p in lowered for p in phrases):
-            return cls
-    return "other"
+def failure_class(record: SyncRecord) -> str:
+    """A failed sync's class: its record's ``kind`` (a FailureKind value, a bounded label value); ``other``
+    for a record that carries none (written before records had kinds)."""
+    return (parse_kind(record.kind) or FailureKind.OTHER).value
 
 
 def _clip(text: str, limit: int = MAX_ALERT_CHARS) -> str:
@@ -182,7 +149,7 @@ class MetricsHub:
                 else:
                     logger.debug("ignoring phase %r=%s of %s v%s", phase, seconds, name, record.version)
             if not record.ok:
-                self.failures.labels(name, failure_class(record.reason)).inc()
+                self.failures.labels(name, failure_class(record)).inc()
             elif not record.noop:
                 self.sync_bytes.labels(name).inc(record.bytes)
             self.stale.labels(name).set(len(record.stale_tensors))
@@ -264,7 +231,7 @@ class MetricsHub:
         rec = engine.last_record
         last = None if rec is None else {
             "version": rec.version, "ok": rec.ok, "noop": rec.noop, "reason": rec.reason,
-            "failure_class": None if rec.ok else failure_class(rec.reason), "timestamp": rec.timestamp,
+            "failure_class": None if rec.ok else failure_class(rec), "timestamp": rec.timestamp,
             "total_s": rec.seconds.get("total"), "gbps": rec.gbps, "stale_tensors": len(rec.stale_tensors),
             "identity_violations": len(rec.identity_violations),
             "probe_mean_abs_logprob_diff": rec.probe_mean_abs_logprob_diff, "probe_flagged": rec.probe_flagged,
@@ -300,7 +267,7 @@ class MetricsHub:
             if rec is None:
                 continue
             if not rec.ok:
-                add(name, "failed", rec.version, f"sync v{rec.version} failed [{failure_class(rec.reason)}]: {rec.reason}")
+                add(name, "failed", rec.version, f"sync v{rec.version} failed [{failure_class(rec)}]: {rec.reason}")
             if rec.stale_tensors:
                 add(name, "stale", rec.version,
                     f"{len(rec.stale_tensors)} stale tensor(s) after v{rec.version}: {_name_list(rec.stale_tensors)}")

@@ -1,6 +1,6 @@
 """A trainer process: builds (or loads) a policy, changes its weights, publishes versions.
 
-``python -m trainer_side.job --endpoint tcp://127.0.0.1:PORT --kind tiny --seed 2 --version 2``
+``python -m apps.job --endpoint tcp://127.0.0.1:PORT --kind tiny --seed 2 --version 2``
 prints one JSON line per published version. Used by the demo, the tests and the benchmark.
 Each version carries the parity probe (the trainer's float32 log-probabilities of fixed sequences,
 ``trainer_side/probe.py``) unless ``--no-probe``; each engine's line then reports the mismatch.
@@ -17,7 +17,7 @@ from typing import Any
 
 from bridge.config import load_config
 from bridge.errors import BridgeError
-from bridge.tiny_models import build_model, save_checkpoint
+from devtools.tiny_models import build_model, save_checkpoint
 from trainer_side.probe import build_probe
 from trainer_side.publisher import PublishReport, WeightPublisher
 
@@ -71,7 +71,7 @@ def run(args: TrainerArgs) -> int:
 
 
 def parse(argv: list[str] | None = None) -> TrainerArgs:
-    p = argparse.ArgumentParser(prog="trainer_side.job", description=__doc__)
+    p = argparse.ArgumentParser(prog="apps.job", description=__doc__)
     p.add_argument("--endpoint", action="append", required=True, help="inference endpoint (repeat for several)")
     p.add_argument("--kind", default="tiny", help="gpt_oss or a dense preset: tiny, 50m, 350m, 1b")
     p.add_argument("--seed", type=int, action="append", required=True, help="one seed per version to publish")

@@ -1,0 +1,229 @@
+"""GRPO on a toy verifiable reward, with rollouts from a vLLM engine that weight-bridge keeps current.
+
+The task: given a prompt of random tokens, emit "target" tokens (ids below ``--target-tokens``, one
+eighth of the tiny model's 512-token vocabulary by default). The reward of a completion is the fraction
+of its tokens that are targets, checked exactly: a verifiable reward, no reward model.
+
+One step of the loop:
+  1. rollouts: the inference actors (vLLM engines in Ray actors) sample ``--group`` completions per
+     prompt at temperature 1; with several engines the batch is split in contiguous shares, sampled at once;
+  2. advantages: each completion's reward minus its group's mean, divided by the group's std (GRPO);
+  3. update: policy-gradient loss on the trainer's own float32 log-probabilities of the sampled tokens
+     (one on-policy update per batch, so GRPO's clipped ratio is exactly 1 and drops out), Adam step;
+  4. publish: the new weights go to every engine in one ``WeightPublisher.publish`` together with the parity
+     probe (``trainer_side/probe.py``); each engine applies, audits and scores the probe before it answers.
+
+Every step prints one JSON line: reward, loss, the sync record (version, ok, verified, seconds, GB/s,
+tensors audited, stale tensors, identity violations, probe mismatch) and the train/inference mismatch
+on the rollouts themselves (engine's sampling logprobs vs the trainer's float32 ones). Run it on a laptop CPU:
+
+    python examples/grpo_toy.py --steps 30
+
+or as a Ray job on a cluster: ``python -m apps.ray_job --loop grpo`` (see apps/ray_job.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    kind: str = "tiny"          # policy: a dense preset of devtools.tiny_models (tiny: 2 layers, vocab 512)
+    steps: int = 30
+    prompts: int = 4            # distinct prompts per step
+    group: int = 8              # completions sampled per prompt (the GRPO group)
+    prompt_len: int = 8
+    max_tokens: int = 8         # completion length
+    temperature: float = 1.0
+    lr: float = 3e-3
+    target_tokens: int = 64     # reward counts completion tokens with id < target_tokens
+    seed: int = 0
+
+
+HELP = {
+    "kind": "policy preset of devtools.tiny_models", "steps": "GRPO steps (one published version each)",
+    "prompts": "distinct prompts per step", "group": "completions sampled per prompt (the GRPO group)",
+    "prompt_len": "tokens per prompt", "max_tokens": "tokens per completion", "temperature": "sampling temperature",
+    "lr": "Adam learning rate", "target_tokens": "reward counts completion tokens with id below this",
+    "seed": "seed of the policy, prompts and torch",
+}
+
+
+def reward(tokens: list[int], target_tokens: int) -> float:
+    """Fraction of the completion's tokens that are target tokens (0.0 for an empty completion)."""
+    return sum(1 for t in tokens if t < target_tokens) / len(tokens) if tokens else 0.0
+
+
+def group_advantages(rewards: list[float], group: int) -> list[float]:
+    """GRPO advantages: reward minus the mean of its group, over the group's standard deviation."""
+    out: list[float] = []
+    for start in range(0, len(rewards), group):
+        chunk = rewards[start:start + group]
+        mean = sum(chunk) / len(chunk)
+        std = (sum((r - mean) ** 2 for r in chunk) / len(chunk)) ** 0.5
+        out += [(r - mean) / (std + 1e-4) for r in chunk]
+    return out
+
+
+def completion_logprobs(policy: Any, prompts: list[list[int]], completions: list[list[int]]) -> tuple[Any, Any]:
+    """The policy's log-probability of every completion token, ``[batch, max_len]``, and a 0/1 mask."""
+    import torch
+
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        seq = p + c
+        ids[row, :len(seq)] = torch.tensor(seq)
+        attention[row, :len(seq)] = 1
+    logits = policy(input_ids=ids, attention_mask=attention).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:].unsqueeze(2)).squeeze(2)
+    span = max(len(c) for c in completions)
+    lp = torch.zeros((len(prompts), span))
+    mask = torch.zeros((len(prompts), span))
+    for row, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if c:  # token j of the completion sits at position len(p)+j and is predicted from position len(p)+j-1
+            lp[row, :len(c)] = logp[row, len(p) - 1:len(p) - 1 + len(c)]
+            mask[row, :len(c)] = 1.0
+    return lp, mask
+
+
+def shares(count: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``parts`` contiguous shares of ``count`` items, sizes differing by at most one
+    (the first ones larger); empty shares where ``parts > count``."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(count, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def sample(actors: list[Any], batch: list[list[int]], **kwargs: Any) -> list[dict[str, Any]]:
+    """Rollouts of ``batch`` in order, each engine sampling its contiguous share at the same time."""
+    import ray
+
+    spans = shares(len(batch), len(actors))
+    pending = [actor.generate.remote(batch[a:b], **kwargs) for actor, (a, b) in zip(actors, spans, strict=True) if b > a]
+    return [r for part in ray.get(pending) for r in part]
+
+
+def make_policy(cfg: GRPOConfig) -> Any:
+    """A tiny random Qwen2-style policy in float32 (the trainer's precision)."""
+    from devtools.tiny_models import build_model
+
+    return build_model(cfg.kind, cfg.seed).float()
+
+
+def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
+          config: Any = None) -> Iterator[dict[str, Any]]:
+    """Run ``cfg.steps`` GRPO steps with rollouts from ``actors`` (one engine each, served at ``endpoints``);
+    yield one log dict per step (after its weights were published to every engine)."""
+    import ray
+    import torch
+
+    from apps.ray_job import sync_summary
+    from trainer_side import WeightPublisher
+    from trainer_side.probe import build_probe
+
+    torch.manual_seed(cfg.seed)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    vocab = int(policy.config.vocab_size)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    prompts = torch.randint(cfg.target_tokens, vocab, (cfg.prompts, cfg.prompt_len), generator=gen).tolist()
+    version = max(int(v) for v in ray.get([actor.version.remote() for actor in actors]))
+    with WeightPublisher(endpoints, config=config) as publisher:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            batch = [p for p in prompts for _ in range(cfg.group)]
+            rollouts = sample(actors, batch, max_tokens=cfg.max_tokens, logprobs=0, temperature=cfg.temperature)
+            completions = [r["token_ids"] for r in rollouts]
+            rewards = [reward(c, cfg.target_tokens) for c in completions]
+            advantages = torch.tensor(group_advantages(rewards, cfg.group))
+            t_rollout = time.perf_counter() - t0
+
+            policy.train()
+            logp, mask = completion_logprobs(policy, batch, completions)
+            per_sequence = (logp * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+            loss = -(advantages * per_sequence).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            engine_lp = torch.tensor([r["logprobs"] + [0.0] * (mask.shape[1] - len(r["logprobs"])) for r in rollouts])
+            rollout_mismatch = float(((logp.detach() - engine_lp).abs() * mask).sum() / mask.sum())
+            t_train = time.perf_counter() - t0 - t_rollout
+
+            version += 1
+            report = publisher.publish(policy.named_parameters(), version=version, probe=build_probe(policy))
+            sync = sync_summary(report)
+            yield {
+                "step": step, "reward": round(sum(rewards) / len(rewards), 4), "loss": round(float(loss), 5),
+                "version": version, "sync": sync, "rollout_mean_abs_logprob_diff": round(rollout_mismatch, 5),
+                "seconds": {"rollout": round(t_rollout, 3), "train": round(t_train, 3),
+                            "sync": round(report.seconds.get("total", 0.0), 3),
+                            "step": round(time.perf_counter() - t0, 3)},
+            }
+
+
+def parse(argv: list[str] | None = None) -> tuple[GRPOConfig, argparse.Namespace]:
+    defaults = GRPOConfig()
+    p = argparse.ArgumentParser(prog="grpo_toy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for field, value in asdict(defaults).items():
+        p.add_argument("--" + field.replace("_", "-"), type=type(value), default=value, help=f"{HELP[field]} (default: {value})")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
+    p.add_argument("--actor-name", default="grpo-engine", help="name of the inference actor (for `weight-bridge serve --actor`)")
+    p.add_argument("--namespace", default="weight-bridge", help="Ray namespace of the actor")
+    p.add_argument("--config", help="weight-bridge config YAML (default: configs/default.yaml)")
+    a = p.parse_args(argv)
+    cfg = GRPOConfig(**{f: getattr(a, f) for f in asdict(defaults)})
+    return cfg, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    from apps.ray_job import start_engine, sync_passed
+    from devtools.tiny_models import save_checkpoint
+
+    cfg, args = parse(argv)
+    logging.basicConfig(level=logging.WARNING)
+    local: dict[str, Any] = {} if args.ray_address else {"num_cpus": 2}  # a local Ray: 2 CPUs
+    ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False, **local)
+    policy = make_policy(cfg)
+    with tempfile.TemporaryDirectory(prefix="grpo-toy-") as tmp:
+        checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
+        actor, endpoint = start_engine(checkpoint, args.actor_name, args.namespace, config=args.config)
+        logs = []
+        try:
+            for line in train(cfg, policy, [actor], [endpoint], config=args.config):
+                logs.append(line)
+                print(json.dumps(line), flush=True)
+        finally:
+            ray.get(actor.shutdown.remote())
+            ray.kill(actor)
+    k = max(1, len(logs) // 4)
+    first = sum(x["reward"] for x in logs[:k]) / k
+    last = sum(x["reward"] for x in logs[-k:]) / k
+    passed = all(sync_passed(x["sync"]) for x in logs)
+    print(json.dumps({"summary": {"steps": len(logs), "reward_first": round(first, 4), "reward_last": round(last, 4),
+                                  "every_sync_passed": passed}}), flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
