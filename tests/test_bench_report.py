@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.run import add_ratios, linear_fit, verdict
+from bench.report import add_ratios, linear_fit, verdict
 
 
 @pytest.mark.parametrize(("points", "a", "b"), [
