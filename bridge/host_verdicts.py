@@ -2,7 +2,7 @@
 
 Every receiver on a host reads a publisher's bucket from the same /dev/shm segment, so the bytes each
 one would check are the same bytes: checking them once per host is as safe as checking them once per
-receiver, and 4 receivers on 2 cores otherwise spend 4 memory passes on one bucket. The verdict lives
+receiver, where N receivers would otherwise spend N memory passes on one bucket. The verdict lives
 next to the segment in ``<segment>.ok`` (unlinked with it): under an exclusive ``flock`` the first
 receiver verifies and, only on success, writes the verdict's key; the others wait for the lock, find
 the key and skip.

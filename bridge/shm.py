@@ -25,7 +25,7 @@ _OWNED_RE = re.compile(re.escape(PREFIX) + r"(?P<tag>[a-z0-9_]+)-(?P<ns>[0-9]+)-
 
 def pid_namespace() -> int:
     """This process's pid namespace (the inode of /proc/self/ns/pid); 0 when the kernel does not say.
-    Read on every call (a few microseconds): a child forked after ``unshare`` lives in another one."""
+    Read on every call: a child forked after ``unshare`` lives in another one."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -172,8 +172,8 @@ class AttachCache:
     """Publishers' shared-memory segments, mapped once and kept from one update to the next.
 
     A publisher reuses one segment per bucket index, so the next update arrives in pages this process
-    has already mapped: reading a freshly mapped segment runs at about half the speed of a kept one here
-    (page-table set-up on first touch). Mappings pin a segment's memory after the publisher unlinks it,
+    has already mapped, without the page-table set-up a fresh mapping pays on first touch. Mappings pin a
+    segment's memory after the publisher unlinks it,
     so ``prune`` unmaps every segment whose file is gone (the receiver calls it about once a second).
 
     ``private`` keeps copy-on-write mappings (what a TP worker hands to model code, so a loader that
@@ -236,8 +236,8 @@ def pagemap_readable() -> bool:
 
 def copied_pages(mm: mmap.mmap) -> int | None:
     """How many pages of the private file mapping ``mm`` this process has written (each one copied on
-    write, so it no longer shows the file's later contents), read from /proc/self/pagemap: about 1 ms per
-    64 MiB. None when the kernel does not say."""
+    write, so it no longer shows the file's later contents), read from /proc/self/pagemap. None when the
+    kernel does not say."""
     import ctypes
 
     import numpy as np
@@ -263,8 +263,8 @@ def copied_pages(mm: mmap.mmap) -> int | None:
 
 
 class SegmentPool:
-    """Receive segments kept from one update to the next: writing into pages that are already faulted
-    in runs several times faster than into fresh ones. Holds at most ``limit`` bytes of free segments
+    """Receive segments kept from one update to the next, so an update writes into pages that are already
+    faulted in rather than fresh ones. Holds at most ``limit`` bytes of free segments
     (the receiver sets it to the latest update's size); the rest are closed."""
 
     def __init__(self, tag: str = "recv") -> None:

@@ -43,8 +43,8 @@ def _run(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_t
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM's engine core in this process rather than in one it spawns per engine: a cold load of the
-    # same weights with the same kernels (outputs compared identical, TP 1 and 2), without a fresh process
-    # and vLLM import per checkpoint (10 tiny checkpoints: 40 s instead of 174 s here)
+    # same weights with the same kernels (outputs identical, TP 1 and 2), without a fresh process and
+    # vLLM import per checkpoint
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))

@@ -7,9 +7,8 @@ slow the worker: the weight load in the middle of an update, or token generation
 ``pin_off_workers`` moves this process's threads and the engine's non-worker processes onto the cores no
 worker is bound to, when there are such cores (``serve.pin_off_workers``, off by default).
 
-The trade-off, measured on the 2-core machine (README, Benchmarks): pinned, vLLM's own reload time is
-steadier (the worker's core is its own), but a staged update's verify pass can no longer borrow the
-worker's core while it sits idle, and small updates sync slower.
+The trade-off (figures: docs/benchmarks.md): pinned, the worker's core is its own, but a staged update's
+verify pass can no longer borrow the worker's core while it sits idle.
 """
 
 from __future__ import annotations

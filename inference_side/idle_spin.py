@@ -4,7 +4,7 @@ so that a burst of RPCs (generation steps) sees no wake-up latency.
 
 On a host with few cores that second is paid by whatever runs next: a weight sync right after generation
 or after the previous update, whose trainer-side packing and receiver-side verification then share the
-one core the spinning worker leaves them (measured in the README, Benchmarks). ``serve.worker_idle_spin_s``
+one core the spinning worker leaves them (figures: docs/benchmarks.md). ``serve.worker_idle_spin_s``
 shortens it in every TP worker; anything longer than the gap between generation steps keeps vLLM's
 latency while the engine generates.
 """

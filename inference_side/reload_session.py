@@ -161,7 +161,7 @@ class ReloadSession:
         """One ``load_weights`` call for ``run``. The iterator checks, before handing out tensor i+1, that
         tensor i was written: a model that reads ahead (collects its weights first, e.g. into a dict) or
         a tensor written behind its loader's back stops the run there, before anything of the tensor was
-        lost, and the rest of this update loads tensor by tensor (:meth:`load`), as before."""
+        lost, and the rest of this update loads tensor by tensor (:meth:`load`)."""
         import torch
 
         if len(run) <= 1 or not self._runs_ok:

@@ -126,9 +126,8 @@ def _copy_and_sum(dst: Any, target: Any, src: Any, hasher: Any) -> int:
 def _bytes_of(flat: Any) -> memoryview | None:
     """The bytes of a contiguous CPU tensor, for copying one that needs no cast without torch: torch spreads
     each chunk's copy over its intra-op threads, which then spin between chunks, taking cores from the
-    receivers verifying the buckets already sent (2 cores, shm, a 1 GiB update: packing 0.27-0.33 s with
-    torch's 2 threads, 0.17-0.21 s with this copy; a 16-core host: 2.4 -> 3.2 GB/s, though there torch's
-    threads pack faster with no receiver beside them). None where numpy cannot view it."""
+    receivers verifying the buckets already sent (figures: docs/benchmarks.md). None where numpy cannot
+    view it."""
     import torch
 
     try:
@@ -143,10 +142,9 @@ _device_copier: Any = None
 
 def _copy_from_device_and_sum(typed: Any, raw: memoryview, src: Any, hasher: Any) -> int:
     """A tensor on an accelerator (a trainer's GPU): a helper thread copies it to the host chunk by chunk
-    (cast on the device on the way) while this thread sums the chunk before. Measured on one H200 host
-    (1 GiB bfloat16 in 64 MiB tensors, xxh3, same run): 5.8 GB/s, against 3.5 GB/s when each 1 MiB chunk
-    was copied and then summed before the next (the same bytes held on the CPU, copied by torch's threads:
-    8.5 GB/s). A strided GPU tensor is made contiguous on the GPU first (one temporary of its size there)."""
+    (cast on the device on the way) while this thread sums the chunk before, so the copy and the checksum
+    overlap (figures: docs/benchmarks.md). A strided GPU tensor is made contiguous on the GPU first (one
+    temporary of its size there)."""
     from concurrent.futures import ThreadPoolExecutor
 
     global _device_copier

@@ -2,8 +2,8 @@
 to pack a bucket into and turns it into what travels; a ``LandPlane`` turns what arrived at a receiver
 into a shared-memory segment that every TP worker on the host maps in place.
 
-A plane lives as long as its publisher: buffers are reused from one update to the next, because on
-this kind of machine writing into fresh pages (first touch) costs several times a warm copy."""
+A plane lives as long as its publisher: buffers are reused from one update to the next, so packing
+writes into pages already faulted in rather than fresh ones (first touch)."""
 
 from __future__ import annotations
 
