@@ -1,5 +1,6 @@
 """Build vLLM model classes in-process on CPU (TP 1, a one-process gloo group) and drive weight updates
-through the worker extension exactly as the engine does (``wb_setup`` / ``wb_apply`` with shared memory).
+through the worker extension exactly as the engine does (``wb_setup``, then ``wb_begin`` / ``wb_load`` /
+``wb_finish`` with shared memory).
 
 Used by tests/test_model_support.py. Everything here is real vLLM code: the model class, its loader
 (``load_format="dummy"`` for random initial weights, or a real safetensors checkpoint), vLLM's

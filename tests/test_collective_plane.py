@@ -1,4 +1,4 @@
-"""Issue 4, transport level: the collective data plane (gloo on CPU; NCCL through the same code on GPU).
+"""The collective data plane's link delivers every byte or fails naming why (gloo on CPU; NCCL, same code, on GPU).
 
 Real processes, a real private TCPStore, real gloo groups: one sender broadcasts buckets to two
 receivers, each receiver checks every byte (crc32c of what arrived equals the sender's); a receiver

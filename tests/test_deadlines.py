@@ -1,5 +1,5 @@
-"""Issue 6, deadlines on every phase and back-pressure, at the transport level: a real publisher and a
-real receiver (or a raw ZMQ peer where a misbehaving engine is needed) over real sockets; the engine
+"""Every phase of a sync has a deadline and a publisher never outruns its credits, at the transport level:
+a real publisher and a real receiver (or a raw ZMQ peer where a misbehaving engine is needed) over real sockets; the engine
 behind the receiver is tests/fakes.py's FakeEngine, since no model is involved."""
 
 from __future__ import annotations

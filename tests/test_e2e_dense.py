@@ -1,5 +1,5 @@
-"""Issue 2: a dense model on the real engine, updated from a separate trainer process over ZMQ TCP,
-equals a cold-loaded engine of the same weights; bad input is refused and changes nothing."""
+"""A dense model on the real engine, updated from a separate trainer process over ZMQ TCP, equals a
+cold-loaded engine of the same weights; bad input is refused and changes nothing."""
 
 from __future__ import annotations
 

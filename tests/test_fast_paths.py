@@ -1,5 +1,6 @@
-"""Issue 4 speed-ups that must not change what is accepted: crc32c named in the manifest, the fast
-finiteness check, and send planes that reuse their buffers across updates."""
+"""The fast paths accept and refuse exactly what the plain ones do: the checksum named in the manifest
+(xxh3, crc32c, crc32, none), the finiteness check on raw bits, one-pass verification, and send planes,
+segments and mappings reused across updates."""
 
 from __future__ import annotations
 

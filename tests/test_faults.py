@@ -1,6 +1,7 @@
-"""Issue 6, faults on the real engine (staged mode): the trainer SIGKILLed mid-stream, a connection cut
-and restored, two publishers racing, a TP worker raising inside the load (degraded without a host copy,
-rolled back with one), the inference actor killed mid-update and brought back by Ray.
+"""Faults on the real engine (staged mode) never leave it serving a mix of versions: the trainer SIGKILLed
+mid-stream, a connection cut and restored, two publishers racing, a TP worker raising inside the load
+(degraded without a host copy, rolled back with one), the inference actor killed mid-update and brought
+back by Ray.
 
 After each fault the engine's outputs equal a cold-loaded engine of the version it reports. The
 engine's first outputs (a fresh engine cold-loaded from v1's checkpoint) are the oracle of v1.

@@ -1,4 +1,4 @@
-"""Issue 4, fan-out: the receivers of one host verify a shared-memory bucket once between them.
+"""The receivers of one host verify a shared-memory bucket once between them; a failed check leaves no verdict.
 
 Real separate processes contend for a real verdict file in /dev/shm; real receivers (without a model:
 tests/fakes.py's FakeEngine reports the crc32 of every tensor it read) take real updates over ZMQ and shared memory."""

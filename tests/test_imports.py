@@ -1,4 +1,4 @@
-"""Imports point down only (issue 18): every module of the layered packages imports only the packages its
+"""Imports point down only: every module of the layered packages imports only the packages its
 layer may use. Layers, lowest first:
 
     bridge                            wire messages, config, errors, checksums, records, shm, transports, sender

@@ -1,5 +1,5 @@
-"""Issue 3, model-class level: every vLLM 0.32 model class with attention sinks that can be built on CPU is
-constructed from a tiny config, loaded, and updated twice through the worker extension (``wb_setup``,
+"""Sinks reload correctly in every vLLM 0.32 model class with attention sinks that can be built on CPU: each
+is constructed from a tiny config, loaded, and updated twice through the worker extension (``wb_setup``,
 ``wb_begin``/``wb_load``/``wb_finish``: vLLM's real layerwise reload driven by our ReloadSession). After each update the sinks (and
 tensors the model writes behind its loaders) hold the new values, padded heads stay -inf, no storage moved.
 With the router off, direct-copy writers fail through the audit naming the stale sink; loader-based

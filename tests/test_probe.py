@@ -1,4 +1,4 @@
-"""Issue 5, parity probe on the real engine: the trainer's float32 log-probabilities of fixed sequences
+"""The parity probe on the real engine: the trainer's float32 log-probabilities of fixed sequences
 travel with each update; the engine (bfloat16) scores the same sequences after applying it and the
 mismatch lands in the sync record. A right probe is small and passes; a wrong one is flagged."""
 

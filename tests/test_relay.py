@@ -1,4 +1,4 @@
-"""Issue 4, fan-out across hosts: a host-local relay takes an update once over tcp:// and hands it to every
+"""A host-local relay takes an update once over tcp:// and hands it to every
 engine on its host through shared memory, answering the publisher with the engines' combined answer.
 
 Here two receivers with tests/fakes.py's FakeEngine (no model: it records the bytes it was given) stand

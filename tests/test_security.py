@@ -1,4 +1,4 @@
-"""Issue 6, security at the transport level (real sockets, real receiver and publisher; the engine is a
+"""Security at the transport level (real sockets, real receiver and publisher; the engine is a
 FakeEngine of tests/fakes.py since no model is involved): loopback by default, CURVE refuses a publisher without
 the key, nothing is ever unpickled. (Dashboard and /metrics read-only: tests/test_dashboard.py.)"""
 

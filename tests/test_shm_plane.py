@@ -1,4 +1,4 @@
-"""Issue 4, memory bound: the shared-memory send plane rewrites a bucket's segment only once every
+"""The shared-memory send plane's memory bound: it rewrites a bucket's segment only once every
 receiver released that bucket (or the update was answered). Real segments in /dev/shm; the publisher's
 credits are played by the test."""
 

@@ -1,4 +1,4 @@
-"""Issue 3: on tiny GPT-OSS, sinks and fused experts really update on every sync, at TP 1 and 2, in
+"""On tiny GPT-OSS, sinks and fused experts really update on every sync, at TP 1 and 2, in
 bfloat16 and float16 -- and with the router switched off the audit catches the stale tensors."""
 
 from __future__ import annotations

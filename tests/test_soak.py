@@ -1,4 +1,4 @@
-"""Issue 6, soak: consecutive syncs on the tiny GPT-OSS with generation between them. Every sync passes
+"""Many consecutive syncs leak nothing: tiny GPT-OSS, generation between syncs. Every sync passes
 the audit; resident memory and open descriptors of the actor's whole process tree (actor + vLLM engine
 and worker processes) stay flat; the final outputs equal a cold-loaded engine of the last version.
 

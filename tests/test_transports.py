@@ -1,4 +1,4 @@
-"""Issue 4: every data plane and sync mode, and a host-local relay in front of the engine, leave the
+"""Every data plane and sync mode, and a host-local relay in front of the engine, leave the
 engine equal to a cold-loaded oracle.
 
 One tiny dense engine (TP 1) serves the whole module; its sync mode is switched between tests. Buckets
