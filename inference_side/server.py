@@ -49,7 +49,8 @@ class _Update:
 
     manifest: wire.Manifest
     started: float
-    begun: bool = False  # the workers opened their reload: a failure from here on touched the weights
+    begun: bool = False  # the workers opened their reload (closing it puts the kernel tensors back)
+    loaded: bool = False  # a bucket reached the workers: a failure from here on leaves a mix of versions
     failure: tuple[FailureKind, str] | None = None
     buckets: list[StagedBucket] = field(default_factory=list)  # kept for the host copy (staged only)
     ranks: list[RankReport] = field(default_factory=list)
@@ -226,6 +227,7 @@ class InferenceServer(EngineGate):
                                   FailureKind.WIRE)
             if update.failure is None:
                 t0 = time.perf_counter()
+                update.loaded = True
                 reports = self._rpc("wb_load", bucket.payload())
                 update.load_s += time.perf_counter() - t0
                 self._ranks(update, reports)
@@ -274,7 +276,8 @@ class InferenceServer(EngineGate):
                 return
             reason = self._close(update, (FailureKind.ABORTED, reason))
             self._records.append(SyncRecord(version=manifest.version, engine=self.name, ok=False,
-                                            reason=f"update aborted: {reason}", kind=FailureKind.ABORTED.value))
+                                            reason=f"{'streaming ' if self.config.sync.mode == 'streaming' else ''}update aborted: "
+                                                   f"{reason}", kind=FailureKind.ABORTED.value))
 
     # ---- one update: internals -----------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[RankReport]:
@@ -301,11 +304,14 @@ class InferenceServer(EngineGate):
             if not update.begun:
                 return reason
             self._rpc("wb_abort")
+            if not update.loaded:  # the reload was opened and closed again: the served weights are untouched
+                return reason
             restored = self._restore(update.manifest) if self._host_copy is not None else None
             if restored:
                 reason += f" (rolled back from the host copy: the engine serves version {self._version})"
             else:
-                self._degraded = f"update to v{update.manifest.version} failed after loading began: {reason}"
+                mode = "streaming update" if self.config.sync.mode == "streaming" else "update"
+                self._degraded = f"{mode} to v{update.manifest.version} failed after loading began: {reason}"
                 if restored is not None:
                     reason += " (restoring the host copy failed too: the engine is degraded)"
                 logger.warning("%s: %s", self.name, self._degraded)
