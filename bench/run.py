@@ -1,4 +1,4 @@
-"""``python -m bench.run [--quick] [--models 50m,350m,1b] [--reps N]``: the benchmark of issue 4.
+"""``python -m bench.run [--quick] [--models 50m,350m,1b] [--reps N]``: the benchmark (method and goals: docs/benchmarks.md).
 
 For each synthetic model it starts one engine and one trainer process and measures, in the same run:
 ``bridge`` per transport and sync mode (end to end: tensors in the trainer process -> every engine's

@@ -1,9 +1,8 @@
 """Per-tensor integrity checksums, named in the manifest (``Manifest.checksum``).
 
-``crc32`` (zlib, about 2.5 GB/s here) is what a manifest means when it names none; ``crc32c``
-(Castagnoli, hardware-accelerated by the ``crc32c`` package, about 12 GB/s here) and ``xxh3`` (64-bit
-XXH3 from the ``xxhash`` package, about 23 GB/s here, the fastest: it is what ``auto`` picks) are what a
-publisher sends when their package is installed. The wire's ``checksums`` are unsigned ints of up to 64 bits.
+``crc32`` (zlib) is what a manifest means when it names none; ``crc32c`` (Castagnoli, hardware-accelerated
+by the ``crc32c`` package) and ``xxh3`` (64-bit XXH3 from the ``xxhash`` package, the fastest, so what ``auto``
+picks) are what a publisher sends when their package is installed (speeds: docs/benchmarks.md). The wire's ``checksums`` are unsigned ints of up to 64 bits.
 """
 
 from __future__ import annotations

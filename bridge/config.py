@@ -105,7 +105,7 @@ class ServeConfig:
     history: int = 2000
     # bind the actor's threads (receiver, verify) and the engine core to the cores vLLM's CPU backend left free
     # of TP workers, when it left any (inference_side/affinity.py). Off by default: on 2 cores it steadies the
-    # worker but leaves the idle worker core unused while a staged update is verified (README, Benchmarks)
+    # worker but leaves the idle worker core unused while a staged update is verified (docs/benchmarks.md)
     pin_off_workers: bool = False
     # seconds a TP worker busy-waits for its next RPC after one (vLLM's shm message queue spins 1 s); null
     # leaves vLLM's value. Longer than the gap between generation steps, so generation keeps its latency,

@@ -3,8 +3,8 @@
 In every float format on the wire the non-finite values (Inf, NaN) are the largest bit patterns of each
 sign half: as a signed integer a positive one is >= the bits of +Inf, and as an unsigned integer a
 negative one is >= the bits of -Inf (float8_e4m3fn has no Inf: its NaN, S.1111.111, is the top pattern).
-So two integer max reductions decide it exactly, with no float arithmetic and no temporary: about 15 GB/s
-here, against about 1.3 GB/s for a float sum and 0.6 GB/s for ``isfinite(t).all()`` on bfloat16.
+So two integer max reductions decide it exactly, with no float arithmetic and no temporary (several times
+faster than a float sum or ``isfinite(t).all()``: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -21,12 +21,13 @@ from typing import Any
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
-from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, ManifestError, VersionError
+from bridge.errors import BridgeError, ConfigError, DeadlineExceeded
 from bridge.records import SyncRecord
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
 from bridge.transports import available as available_transports
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.receiver import SyncReceiver
+from inference_side.validate import validate_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -191,20 +192,7 @@ class InferenceServer(EngineGate):
                                transports=self._transports(), host=socket.gethostname())
 
     def validate(self, manifest: wire.Manifest) -> str | None:
-        if manifest.version < self._version:
-            raise VersionError(f"version {manifest.version} is older than the served version {self._version}")
-        if manifest.version == self._version and not self._degraded:
-            return f"version {manifest.version} already served"
-        for spec in manifest.tensors:
-            entry = self.table.get(spec.name)
-            if entry is None:
-                raise ManifestError(f"unknown tensor name {spec.name!r}: the engine's checkpoint has no such tensor")
-            if spec.shape != entry.shape:
-                raise ManifestError(f"tensor {spec.name}: shape {list(spec.shape)} does not match the engine's {list(entry.shape)}")
-            want = self.dtype if entry.dtype in wire.FLOAT_DTYPES else entry.dtype
-            if spec.dtype != want:
-                raise ManifestError(f"tensor {spec.name}: dtype {spec.dtype} does not match the engine's {want}")
-        return None
+        return validate_manifest(manifest, self.table, self.dtype, self._version, self._degraded)
 
     def begin(self, manifest: wire.Manifest) -> None:
         with self._engine:
