@@ -37,8 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 class SyncReceiver:
-    def __init__(self, gate: EngineGate, config: BridgeConfig, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, gate: EngineGate, config: BridgeConfig, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 port: int = 0) -> None:
+        """A receiver for ``gate``; ``start`` binds ``transport.bind_host`` on ``port`` (0: any free port)."""
         self.gate = gate
+        self.port = port
         self.config = config
         self.on_event = on_event or (lambda kind, data: None)
         self._stop = threading.Event()
@@ -149,7 +152,11 @@ class SyncReceiver:
             sock.curve_secretkey = tcfg.curve_server_secret.encode()
             sock.curve_publickey = tcfg.curve_server_public.encode()
         try:
-            port = sock.bind_to_random_port(f"tcp://{tcfg.bind_host}")
+            if self.port:
+                sock.bind(f"tcp://{tcfg.bind_host}:{self.port}")
+                port = self.port
+            else:
+                port = sock.bind_to_random_port(f"tcp://{tcfg.bind_host}")
         except zmq.ZMQError as exc:
             self._error = BridgeError(f"cannot bind receiver on {tcfg.bind_host}: {exc}")
             self._ready.set()

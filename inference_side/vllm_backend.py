@@ -1,0 +1,272 @@
+"""The ``weight_bridge`` backend of vLLM's weight-transfer API, worker side (one per TP worker process).
+
+vLLM creates a ``WeightBridgeEngine`` in every worker after loading the model when the engine is started with
+``weight_transfer_config={"backend": "weight_bridge"}`` (registered by bridge/vllm_plugin.py). The update
+itself takes the project's verified path: ``init_transfer_engine`` starts a ``SyncReceiver`` in the worker
+(on ``base_port + TP rank``), and ``update_weights`` (vLLM's RPC, on the worker's own thread, serialized with
+forward passes) serves that receiver's lifecycle calls: ``begin`` / ``load`` per bucket / ``finish`` or
+``abort`` become the worker extension's ``wb_begin`` / ``wb_load`` / ``wb_finish`` / ``wb_abort`` on this
+worker's model, so the sink router, bypass capture, write audit, identity check, checksums and version
+rules all apply. The whole update happens inside that one RPC: the model is never left half-loaded
+between vLLM's calls. With TP > 1 the ranks agree (a gloo all-reduce on the TP group's CPU group) before
+they finish: all apply or none does.
+
+A refused or failed update makes ``update_weights`` raise on every rank, naming the kind and the reason
+(``[weight_bridge:<kind>] <reason>``); the trainer's publisher gets the same answer in its ``Ack``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from bridge import wire
+from bridge.checkpoint import read_tensor_table
+from bridge.config import config_from_dict
+from bridge.errors import BridgeError, DeadlineExceeded
+from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport
+from bridge.transports import available as available_transports
+from inference_side.contract import EngineGate, StagedBucket
+from inference_side.receiver import SyncReceiver
+from inference_side.validate import validate_manifest
+from inference_side.worker_ext import WeightSyncWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightBridgeInitInfo(WeightTransferInitInfo):
+    """``init_weight_transfer_engine``'s ``init_info``: where this worker's receiver listens (``bind_host``,
+    ``base_port`` + TP rank; 0: any free port, logged) and the bridge config (a ``BridgeConfig`` as a dict)."""
+
+    base_port: int = 0
+    bind_host: str = "127.0.0.1"
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightBridgeUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights``'s ``update_info``: the version the trainer publishes now, and how long to wait for it."""
+
+    version: int = 0
+    timeout_s: float = 600.0
+
+
+class _ModelWorker(WeightSyncWorker):
+    """The worker extension's update calls on the model vLLM handed to this engine."""
+
+    def __init__(self, model: Any, vllm_config: Any) -> None:
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
+        self.vllm_config = vllm_config
+
+
+class _Call:
+    def __init__(self, name: str, *args: Any) -> None:
+        self.name = name
+        self.args = args
+        self.done: Future[Any] = Future()
+
+    def answer(self, value: Any) -> None:
+        if not self.done.cancelled():
+            self.done.set_result(value)
+
+
+class _RpcGate(EngineGate):
+    """The receiver's engine: validates on the receiver's thread, hands every model call to the RPC thread."""
+
+    def __init__(self, engine: WeightBridgeEngine) -> None:
+        self.engine = engine
+
+    def info(self) -> wire.EngineInfo:
+        e = self.engine
+        return wire.EngineInfo(dtype=e.dtype, version=e.version, tp_size=e.tp_size,
+                               transports=tuple(t for t in available_transports() if t != "nccl"), host=socket.gethostname())
+
+    def validate(self, manifest: wire.Manifest) -> str | None:
+        return validate_manifest(manifest, self.engine.table, self.engine.dtype, self.engine.version)
+
+    def begin(self, manifest: wire.Manifest) -> None:
+        self.engine.call("begin", manifest)
+
+    def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
+        result: LoadResult = self.engine.call("load", manifest, bucket)
+        return result
+
+    def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
+        result: ApplyResult = self.engine.call("finish", manifest, timings)
+        return result
+
+    def abort(self, manifest: wire.Manifest, reason: str) -> None:
+        self.engine.call("abort", manifest, reason)
+
+
+class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridgeUpdateInfo]):
+    init_info_cls = WeightBridgeInitInfo
+    update_info_cls = WeightBridgeUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        super().__init__(config, vllm_config, device, model)
+        self.worker = _ModelWorker(model, vllm_config)
+        self.table = read_tensor_table(vllm_config.model_config.model)
+        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self.version = 0  # served over the bridge (0: the checkpoint vLLM loaded)
+        self.receiver: SyncReceiver | None = None
+        self._calls: queue.Queue[_Call] = queue.Queue()
+        self._serving = False  # an update_weights RPC is serving the receiver's calls
+        self._wait_s = 60.0
+
+    # ---- vLLM's calls ------------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: WeightBridgeInitInfo) -> None:
+        self.shutdown()
+        self.worker.wb_setup()
+        cfg = config_from_dict(init_info.config)
+        self._wait_s = cfg.deadlines.bucket_s
+        cfg = config_from_dict({**init_info.config, "transport": {**init_info.config.get("transport", {}),
+                                                                  "bind_host": init_info.bind_host}})
+        port = init_info.base_port + self.tp_rank if init_info.base_port else 0
+        self.receiver = SyncReceiver(_RpcGate(self), cfg, on_event=self._on_event, port=port)
+        endpoint = self.receiver.start()
+        logger.info("weight_bridge: TP rank %d takes updates at %s", self.tp_rank, endpoint)
+
+    def start_weight_update(self) -> None:
+        if self.receiver is None:
+            raise BridgeError("weight_bridge: init_weight_transfer_engine was not called")
+
+    def receive_weights(self, update_info: WeightBridgeUpdateInfo) -> None:
+        """Serve the receiver's lifecycle calls for version ``update_info.version`` until it finished or failed."""
+        end = time.monotonic() + update_info.timeout_s
+        self._serving = True
+        try:
+            while True:
+                try:
+                    call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
+                except queue.Empty:
+                    raise DeadlineExceeded(f"weight_bridge: version {update_info.version} did not arrive within "
+                                           f"{update_info.timeout_s}s") from None
+                outcome = self._run(call, update_info.version)
+                if outcome is not None:
+                    kind, reason = outcome
+                    if kind is None:
+                        return
+                    raise BridgeError(f"[weight_bridge:{kind.value}] {reason}")
+        finally:
+            self._serving = False
+
+    def finish_weight_update(self) -> None:
+        """Nothing to do: the update finished inside ``update_weights`` (and a repeated call must not fail)."""
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.stop()
+            self.receiver = None
+
+    # ---- the receiver's calls, run on the RPC thread -------------------------------------------------
+    def call(self, name: str, *args: Any) -> Any:
+        """From the receiver's apply thread: run ``name`` on the RPC thread, wait for its answer."""
+        call = _Call(name, *args)
+        self._calls.put(call)
+        try:
+            return call.done.result(timeout=self._wait_s)
+        except TimeoutError:
+            call.done.cancel()
+        why = (f"DeadlineExceeded: no update_weights call served this update within {self._wait_s}s "
+               "(the trainer calls start_weight_update and update_weights before it publishes)")
+        if name == "load":
+            return LoadResult(why, FailureKind.TIMEOUT)
+        if name == "finish":
+            return ApplyResult(False, why, FailureKind.TIMEOUT)
+        return None
+
+    def _on_event(self, event: str, data: dict[str, Any]) -> None:
+        """The receiver refused an update before the engine saw it: end the RPC waiting for it."""
+        if event in ("refused", "timeout"):
+            self._calls.put(_Call("refused", data.get("kind", ""), str(data.get("reason", "")), int(data.get("version", 0))))
+
+    def _run(self, call: _Call, version: int) -> tuple[FailureKind | None, str] | None:
+        """Run one call; the update's outcome (kind None: applied) once it ended, else None."""
+        if call.name == "refused":
+            kind, reason, refused = call.args
+            if refused not in (0, version):
+                return None
+            self._agree(False)
+            return FailureKind(kind) if kind in FailureKind._value2member_map_ else FailureKind.OTHER, reason
+        manifest = call.args[0]
+        if call.name == "begin":
+            self._manifest, self._failure = manifest, None
+            if manifest.version != version:
+                self._failure = (FailureKind.VERSION, f"VersionError: the trainer announced version {version}, "
+                                                      f"the publisher sent {manifest.version}")
+            else:
+                self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._options()))
+            call.answer(None)
+            return None
+        if call.name == "load":
+            if self._failure is None:
+                loaded = RankReport.coerce(self.worker.wb_load(call.args[1].payload()))
+                self._note(loaded)
+                held = frozenset(loaded.held)
+            else:
+                held = frozenset()
+            failure = self._failure
+            call.answer(LoadResult(failure[1], failure[0], held) if failure else LoadResult(held=held))
+            return None
+        if call.name == "finish":
+            ok = self._agree(self._failure is None)
+            ranks: list[RankReport] = []
+            if ok:
+                finished = RankReport.coerce(self.worker.wb_finish())
+                ranks.append(finished)
+                self._note(finished)
+            else:
+                self.worker.wb_abort()
+                self._failure = self._failure or (FailureKind.OTHER, "another TP rank failed this update")
+            if self._failure is None:
+                self.version = manifest.version
+                report = {"tensors_audited": sum(r.tensors for r in ranks), "ranks": [r.to_dict() for r in ranks],
+                          "seconds": dict(call.args[1])}
+                call.answer(ApplyResult(True, report=report))
+                return None, ""
+            kind, reason = self._failure
+            call.answer(ApplyResult(False, reason, kind, {"ranks": [r.to_dict() for r in ranks]}))
+            return kind, reason
+        # abort
+        self._agree(False)
+        self.worker.wb_abort()
+        call.answer(None)
+        return FailureKind.ABORTED, f"update aborted: {call.args[1]}"
+
+    def _note(self, report: RankReport) -> None:
+        if not report.ok and self._failure is None:
+            self._failure = (report.kind or FailureKind.OTHER, f"rank {report.rank}: {report.error}")
+
+    def _options(self) -> dict[str, Any]:
+        cfg = self.receiver.config.router if self.receiver is not None else None
+        return {"router": cfg.enabled, "audit": cfg.audit, "identity": cfg.identity_check} if cfg else {}
+
+    def _agree(self, ok: bool) -> bool:
+        """True when every TP rank is ok (each rank calls this once per update)."""
+        if self.tp_size == 1:
+            return ok
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        return bool(flag.item())

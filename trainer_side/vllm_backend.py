@@ -1,0 +1,107 @@
+"""The ``weight_bridge`` backend of vLLM's weight-transfer API, trainer side.
+
+``WeightTransferTrainerFactory.trainer_init(WeightBridgeInitInfo(rank=0), client=..., source=...)`` picks
+this engine by the init info's ``backend``; it works with vLLM's clients (``HTTPVLLMWeightSyncClient`` against
+``vllm serve``, ``RayVLLMWeightSyncClient`` against Ray-held engines) and any ``WeightSource``. Each
+``send_weights()`` publishes one version with the project's ``WeightPublisher`` to the receivers that the
+engine's workers opened (inference_side/vllm_backend.py), while vLLM's ``update_weights`` call holds every
+worker in the update: start -> update_weights (on a helper thread) + publish -> finish(version).
+
+Importing this module registers the backend in vLLM's factories (a trainer process does not load vLLM's
+plugins).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from bridge.config import config_from_dict
+from bridge.errors import BridgeError, UpdateFailed
+from bridge.sender import PublishReport
+from bridge.vllm_plugin import BACKEND, register
+from trainer_side.publisher import WeightPublisher
+
+register()
+
+
+@dataclass
+class WeightBridgeInitInfo(TrainerInitInfo):
+    """Every field but ``rank`` has a default, so ``WeightBridgeInitInfo(rank=0)`` works against a local
+    engine. The workers listen on ``host``: ``base_port`` + TP rank (``tp_size`` of them); ``config`` is a
+    ``BridgeConfig`` as a dict (transport kind, sync mode, deadlines ...), sent to the workers too."""
+
+    backend: ClassVar[str] = BACKEND
+    host: str = "127.0.0.1"
+    base_port: int = 47310
+    tp_size: int = 1
+    config: dict[str, Any] = field(default_factory=dict)
+    first_version: int = 1
+    update_timeout_s: float = 600.0
+
+    def endpoints(self) -> list[str]:
+        return [f"tcp://{self.host}:{self.base_port + rank}" for rank in range(self.tp_size)]
+
+
+class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo]):
+    init_info_cls = WeightBridgeInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True,
+                 init_info: WeightBridgeInitInfo | None = None) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.init_info = init_info or WeightBridgeInitInfo(rank=0)
+        self.version = self.init_info.first_version - 1
+        self.last_report: PublishReport | None = None
+        self._publisher: WeightPublisher | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: WeightBridgeInitInfo, *, client: Any, source: Any = None) -> WeightBridgeTrainerEngine:
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
+        if engine.is_sender:
+            client.init_weight_transfer_engine({"base_port": init_info.base_port, "bind_host": init_info.host,
+                                                "config": dict(init_info.config)})
+            engine._publisher = WeightPublisher(init_info.endpoints(), config=config_from_dict(init_info.config))
+        return engine
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Publish ``source`` as ``version`` (default: the next one). Raises ``UpdateFailed`` (with each
+        worker's reason and ``FailureKind``) when the engine refused it; the engine keeps its version."""
+        if self.source is None:
+            raise BridgeError("weight_bridge: trainer_init was given no source")
+        if not self.is_sender or self._publisher is None:
+            for _ in self.source:  # every rank iterates: materializing sharded tensors is a collective
+                pass
+            return
+        version = self.version + 1 if version is None else version
+        self.client.start_weight_update()
+        failure: list[BaseException] = []
+
+        def hold() -> None:
+            try:
+                self.client.update_weights({"version": version, "timeout_s": self.init_info.update_timeout_s})
+            except BaseException as exc:  # noqa: BLE001 - reported after the publish
+                failure.append(exc)
+
+        holder = threading.Thread(target=hold, name="wb-update-weights", daemon=True)
+        holder.start()
+        try:
+            self.last_report = self._publisher.publish(iter(self.source), version)
+        finally:
+            holder.join(self.init_info.update_timeout_s + 30)
+        if failure or holder.is_alive():
+            why = str(failure[0]) if failure else "update_weights did not return"
+            raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",
+                               {"vllm": why})
+        self.client.finish_weight_update(str(version))
+        self.version = version
+
+    def shutdown(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+
+
+__all__ = ["WeightBridgeInitInfo", "WeightBridgeTrainerEngine"]
