@@ -100,3 +100,17 @@ def save_checkpoint(model: Any, directory: str | Path) -> Path:
 
 def make_checkpoint(kind: str, directory: str | Path, seed: int = 0) -> Path:
     return save_checkpoint(build_model(kind, seed), directory)
+
+
+def save_word_tokenizer(directory: str | Path, vocab_size: int) -> Path:
+    """A word-level tokenizer over ``t0 .. t<vocab_size-1>`` beside a tiny checkpoint, so a server that needs
+    a tokenizer (``vllm serve`` returning logprobs) can load the directory; prompts stay token ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(str(directory))
+    return Path(directory)

@@ -11,8 +11,11 @@ rules all apply. The whole update happens inside that one RPC: the model is neve
 between vLLM's calls. With TP > 1 the ranks agree (a gloo all-reduce on the TP group's CPU group) before
 they finish: all apply or none does.
 
-A refused or failed update makes ``update_weights`` raise on every rank, naming the kind and the reason
-(``[weight_bridge:<kind>] <reason>``); the trainer's publisher gets the same answer in its ``Ack``.
+A refused or failed update is answered to the trainer's publisher in its ``Ack`` (reason and ``FailureKind``),
+and ``update_weights`` returns on every rank all the same, logging it: vLLM's multiprocess executor stops
+reading replies at the first rank that raised, so a raise on several ranks would leave the others' replies
+to be read as the answers of the next call. The trainer engine then closes vLLM's update session with
+``finish_weight_update`` and no version, so ``/weight_info`` keeps the served one.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import config_from_dict
-from bridge.errors import BridgeError, DeadlineExceeded
+from bridge.errors import BridgeError
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport
 from bridge.transports import available as available_transports
 from inference_side.contract import EngineGate, StagedBucket
@@ -129,6 +132,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.receiver: SyncReceiver | None = None
         self._calls: queue.Queue[_Call] = queue.Queue()
         self._serving = False  # an update_weights RPC is serving the receiver's calls
+        self.last_failure: tuple[FailureKind, str] | None = None  # why the last update was not applied
         self._wait_s = 60.0
 
     # ---- vLLM's calls ------------------------------------------------------------------------------
@@ -157,14 +161,17 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 try:
                     call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
                 except queue.Empty:
-                    raise DeadlineExceeded(f"weight_bridge: version {update_info.version} did not arrive within "
-                                           f"{update_info.timeout_s}s") from None
+                    self.last_failure = (FailureKind.TIMEOUT, f"version {update_info.version} did not arrive within "
+                                                              f"{update_info.timeout_s}s")
+                    logger.warning("weight_bridge: %s", self.last_failure[1])
+                    return
                 outcome = self._run(call, update_info.version)
                 if outcome is not None:
                     kind, reason = outcome
-                    if kind is None:
-                        return
-                    raise BridgeError(f"[weight_bridge:{kind.value}] {reason}")
+                    self.last_failure = None if kind is None else (kind, reason)
+                    if kind is not None:
+                        logger.warning("weight_bridge: version %s not applied [%s]: %s", update_info.version, kind.value, reason)
+                    return
         finally:
             self._serving = False
 

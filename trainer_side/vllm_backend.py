@@ -67,8 +67,9 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         return engine
 
     def send_weights(self, version: int | None = None) -> None:
-        """Publish ``source`` as ``version`` (default: the next one). Raises ``UpdateFailed`` (with each
-        worker's reason and ``FailureKind``) when the engine refused it; the engine keeps its version."""
+        """Publish ``source`` as ``version`` (default: the next one), then ``finish_weight_update(version)``.
+        Raises ``UpdateFailed`` (each worker's reason and ``FailureKind``) when the engine refused it: vLLM's
+        session is closed without a version and the engine keeps serving its own."""
         if self.source is None:
             raise BridgeError("weight_bridge: trainer_init was given no source")
         if not self.is_sender or self._publisher is None:
@@ -89,8 +90,11 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         holder.start()
         try:
             self.last_report = self._publisher.publish(iter(self.source), version)
-        finally:
+        except BaseException:
             holder.join(self.init_info.update_timeout_s + 30)
+            self.client.finish_weight_update()  # close vLLM's update session; no version: the served one stays
+            raise
+        holder.join(self.init_info.update_timeout_s + 30)
         if failure or holder.is_alive():
             why = str(failure[0]) if failure else "update_weights did not return"
             raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",

