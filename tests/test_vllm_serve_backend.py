@@ -3,7 +3,9 @@ with ``--weight-transfer-config '{"backend": "weight_bridge"}'``, driven over HT
 ``HTTPVLLMWeightSyncClient`` and ``WeightTransferTrainerFactory``: two updates, each served completion (token ids
 and logprobs) equal to an engine cold-loaded from the same weights, ``/weight_info`` naming the version; NaN
 weights refused with kind ``nonfinite`` and the reason, the server still serving the previous version, the next
-good update applied. One server per case (tiny Qwen2 at TP 1, tiny GPT-OSS at TP 2)."""
+good update applied; ``/pause`` in each mode (keep, wait, abort) around an update with requests in flight: none
+lost or hung, and requests after ``/resume`` are served by the new weights. One server per case (tiny Qwen2 at
+TP 1, tiny GPT-OSS at TP 2)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 from tests.helpers import PROMPTS, ROOT, assert_same_outputs, child_env, free_port, oracle
 
 pytestmark = pytest.mark.engine
+LONG = list(range(1, 49))  # a longer prompt, served before and after the update
 
 
 @pytest.fixture(scope="module", params=[("tiny", 1), ("gpt_oss", 2)], ids=["qwen2-tp1", "gpt_oss-tp2"])
@@ -63,11 +66,11 @@ def server(request: Any, tmp_path_factory: Any) -> Any:
     log.close()
 
 
-def _complete(server: Any) -> list[dict[str, Any]]:
+def _complete(server: Any, prompts: list[list[int]] = PROMPTS) -> list[dict[str, Any]]:
     import requests
 
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         r = requests.post(f"{server['url']}/v1/completions", timeout=120, json={
             "model": str(server["ckpt"]), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1,
             "return_token_ids": True})
@@ -121,4 +124,77 @@ def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tm
     trainer.send_weights(version=4)
     assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == "4"
     assert_same_outputs(_complete(server), cold[1])  # same weights as version 2 (seed 3)
+    trainer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cold(server: Any, tmp_path_factory: Any) -> dict[int, Any]:
+    """seed -> (checkpoint, cold-loaded outputs) for the weights the pause tests publish."""
+    from devtools.tiny_models import build_model, save_checkpoint
+
+    root = tmp_path_factory.mktemp(f"pause-{server['kind']}")
+    ckpts = {seed: save_checkpoint(build_model(server["kind"], seed=seed), root / f"s{seed}") for seed in (5, 6)}
+    outs = oracle(list(ckpts.values()), server["tp"], "bfloat16", prompts=[*PROMPTS, LONG])
+    return {seed: (ckpt, out) for (seed, ckpt), out in zip(ckpts.items(), outs, strict=True)}
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+def test_pause_modes_with_requests_in_flight(server: Any, cold: dict[int, Any], mode: str) -> None:
+    import threading
+
+    import requests
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from devtools.tiny_models import build_model
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    seed = {"keep": 5, "wait": 6, "abort": 5}[mode]
+    served = requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"]
+    first = int(served) + 1 if served.isdigit() else 1
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if server["tp"] == 1 else 47510, tp_size=server["tp"],
+                             pause=mode, first_version=first),
+        client=HTTPVLLMWeightSyncClient(server["url"]), source=ModuleSource(build_model(server["kind"], seed=seed)))
+    answers: list[Any] = []
+
+    def ask(prompt: list[int]) -> None:
+        r = requests.post(f"{server['url']}/v1/completions", timeout=300, json={
+            "model": str(server["ckpt"]), "prompt": prompt, "max_tokens": 240, "temperature": 0.0, "ignore_eos": True})
+        answers.append((r.status_code, r.json(), time.monotonic()))
+
+    threads = [threading.Thread(target=ask, args=(p,), daemon=True) for p in PROMPTS * 2]
+    for t in threads:
+        t.start()
+    _complete(server, [LONG])  # served on the old weights (CPU KV blocks hold 256 tokens: nothing is cached here)
+    time.sleep(0.1)  # the requests are running when the pause comes
+    paused_at = time.monotonic()
+    seen_paused: list[bool] = []
+    updating = threading.Event()
+
+    def watch() -> None:  # the engine is paused while the update runs
+        while not updating.is_set():
+            seen_paused.append(requests.get(f"{server['url']}/is_paused", timeout=10).json()["is_paused"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    trainer.send_weights()
+    updating.set()
+    watcher.join(30)
+    assert any(seen_paused), "the engine was never paused during the update"
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a request hung across the update"
+    assert len(answers) == len(threads), answers
+    assert any(ended > paused_at for _, _, ended in answers), "no request was in flight when the engine paused"
+    for status, body, _ in answers:
+        assert status == 200, body
+        reason = body["choices"][0]["finish_reason"]
+        assert reason == "length" or (mode == "abort" and reason == "abort"), (mode, body)
+    assert requests.get(f"{server['url']}/is_paused", timeout=10).json()["is_paused"] is False
+    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == str(first)
+    # a new request is served by the new weights
+    assert_same_outputs(_complete(server, [*PROMPTS, LONG]), cold[seed][1])
     trainer.shutdown()

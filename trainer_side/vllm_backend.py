@@ -41,6 +41,10 @@ class WeightBridgeInitInfo(TrainerInitInfo):
     config: dict[str, Any] = field(default_factory=dict)
     first_version: int = 1
     update_timeout_s: float = 600.0
+    # vllm serve (an HTTP client): pause generation this way around each update ("keep": requests in flight
+    # freeze and continue afterwards; "wait": they finish on the old weights first; "abort": they end; None:
+    # no pause). Afterwards the prefix cache is reset, running requests recomputed on the new weights.
+    pause: str | None = "keep"
 
     def endpoints(self) -> list[str]:
         return [f"tcp://{self.host}:{self.base_port + rank}" for rank in range(self.tp_size)]
@@ -77,6 +81,12 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
                 pass
             return
         version = self.version + 1 if version is None else version
+        with _Paused(self.client, self.init_info.pause):
+            self._send(version)
+
+    def _send(self, version: int) -> None:
+        assert self._publisher is not None and self.source is not None
+        publisher, source = self._publisher, self.source
         self.client.start_weight_update()
         failure: list[BaseException] = []
 
@@ -89,7 +99,7 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         holder = threading.Thread(target=hold, name="wb-update-weights", daemon=True)
         holder.start()
         try:
-            self.last_report = self._publisher.publish(iter(self.source), version)
+            self.last_report = publisher.publish(iter(source), version)
         except BaseException:
             holder.join(self.init_info.update_timeout_s + 30)
             self.client.finish_weight_update()  # close vLLM's update session; no version: the served one stays
@@ -106,6 +116,43 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+
+
+class _Paused:
+    """Around one update: pause generation (``vllm serve``), then reset the prefix cache, preempting running
+    requests so they recompute their KV on the new weights, and resume. ``LLM`` engines (Ray client) run no
+    request during the update calls; their prefix cache is reset afterwards."""
+
+    def __init__(self, client: Any, mode: str | None) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+
+        self.client, self.mode = client, mode
+        self.http = client if isinstance(client, HTTPVLLMWeightSyncClient) else None
+        self.ray = client if isinstance(client, RayVLLMWeightSyncClient) else None
+
+    def _post(self, path: str, **params: Any) -> Any:
+        import requests
+
+        assert self.http is not None
+        r = requests.post(f"{self.http.base_url}/{path}", params=params, timeout=self.http.timeout)
+        r.raise_for_status()
+        return r.json() if r.content else {}
+
+    def __enter__(self) -> None:
+        if self.http is not None and self.mode:
+            self._post("pause", mode=self.mode)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.http is not None:
+            try:
+                self._post("reset_prefix_cache", reset_running_requests="true")
+            finally:
+                if self.mode:
+                    self._post("resume")
+        elif self.ray is not None:
+            import ray
+
+            ray.get([h.reset_prefix_cache.remote() for h in self.ray.handles])
 
 
 __all__ = ["WeightBridgeInitInfo", "WeightBridgeTrainerEngine"]
