@@ -91,6 +91,10 @@ class RouterConfig:
     audit: bool = True
     identity_check: bool = True
 
+    def worker_options(self) -> dict[str, bool]:
+        """The options every TP worker's ``wb_begin`` takes."""
+        return {"router": self.enabled, "audit": self.audit, "identity": self.identity_check}
+
 
 @dataclass(frozen=True)
 class ProbeConfig:

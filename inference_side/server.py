@@ -14,6 +14,8 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,7 +207,7 @@ class InferenceServer(EngineGate):
                                   f"served version {self._version} (applied meanwhile by another update)")
                 return
             update.begun = True
-            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self._options()))
+            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self.config.router.worker_options()))
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         with self._engine:
@@ -272,10 +274,6 @@ class InferenceServer(EngineGate):
         """One lifecycle call on every TP worker; one report per rank."""
         return [RankReport.coerce(r) for r in self.llm.collective_rpc(method, args=args)]
 
-    def _options(self) -> dict[str, Any]:
-        cfg = self.config.router
-        return {"router": cfg.enabled, "audit": cfg.audit, "identity": cfg.identity_check}
-
     @staticmethod
     def _ranks(update: _Update, reports: list[RankReport]) -> None:
         """Note the first failure among the ranks' answers."""
@@ -317,7 +315,7 @@ class InferenceServer(EngineGate):
         """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
         bucket = self._host_copy.bucket(manifest)
         try:
-            reports = self._rpc("wb_begin", [s.name for s in bucket.specs], self._options())
+            reports = self._rpc("wb_begin", [s.name for s in bucket.specs], self.config.router.worker_options())
             if all(r.ok for r in reports):
                 reports += self._rpc("wb_load", bucket.payload())
             reports += self._rpc("wb_finish" if all(r.ok for r in reports) else "wb_abort")
@@ -330,23 +328,14 @@ class InferenceServer(EngineGate):
         logger.warning("%s: update to v%s failed; restored v%s from the host copy", self.name, manifest.version, self._version)
         return True
 
-    def _serving(self) -> Any:
+    @contextmanager
+    def _serving(self) -> Iterator[None]:
         """Hold the engine for a request, once no update is open (waits at most ``deadlines.ack_s``)."""
-        server = self
-
-        class _Hold:
-            def __enter__(self) -> None:
-                engine = server._engine
-                engine.acquire()
-                limit = server.config.deadlines.ack_s
-                if not engine.wait_for(lambda: server._update is None, timeout=limit):
-                    engine.release()
-                    raise DeadlineExceeded(f"engine {server.name}: an update stayed open for over {limit}s (deadlines.ack_s)")
-
-            def __exit__(self, *exc: object) -> None:
-                server._engine.release()
-
-        return _Hold()
+        with self._engine:
+            limit = self.config.deadlines.ack_s
+            if not self._engine.wait_for(lambda: self._update is None, timeout=limit):
+                raise DeadlineExceeded(f"engine {self.name}: an update stayed open for over {limit}s (deadlines.ack_s)")
+            yield
 
     def _score(self, sequences: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams

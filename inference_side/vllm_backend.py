@@ -39,7 +39,7 @@ from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import config_from_dict
 from bridge.errors import BridgeError
-from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport
+from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure, parse_kind
 from bridge.transports import available as available_transports
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.receiver import SyncReceiver
@@ -131,7 +131,6 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.version = 0  # served over the bridge (0: the checkpoint vLLM loaded)
         self.receiver: SyncReceiver | None = None
         self._calls: queue.Queue[_Call] = queue.Queue()
-        self._serving = False  # an update_weights RPC is serving the receiver's calls
         self.last_failure: tuple[FailureKind, str] | None = None  # why the last update was not applied
         self._wait_s = 60.0
 
@@ -139,10 +138,9 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
     def init_transfer_engine(self, init_info: WeightBridgeInitInfo) -> None:
         self.shutdown()
         self.worker.wb_setup()
-        cfg = config_from_dict(init_info.config)
-        self._wait_s = cfg.deadlines.bucket_s
         cfg = config_from_dict({**init_info.config, "transport": {**init_info.config.get("transport", {}),
                                                                   "bind_host": init_info.bind_host}})
+        self._wait_s = cfg.deadlines.bucket_s
         port = init_info.base_port + self.tp_rank if init_info.base_port else 0
         self.receiver = SyncReceiver(_RpcGate(self), cfg, on_event=self._on_event, port=port)
         endpoint = self.receiver.start()
@@ -155,25 +153,21 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
     def receive_weights(self, update_info: WeightBridgeUpdateInfo) -> None:
         """Serve the receiver's lifecycle calls for version ``update_info.version`` until it finished or failed."""
         end = time.monotonic() + update_info.timeout_s
-        self._serving = True
-        try:
-            while True:
-                try:
-                    call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
-                except queue.Empty:
-                    self.last_failure = (FailureKind.TIMEOUT, f"version {update_info.version} did not arrive within "
-                                                              f"{update_info.timeout_s}s")
-                    logger.warning("weight_bridge: %s", self.last_failure[1])
-                    return
-                outcome = self._run(call, update_info.version)
-                if outcome is not None:
-                    kind, reason = outcome
-                    self.last_failure = None if kind is None else (kind, reason)
-                    if kind is not None:
-                        logger.warning("weight_bridge: version %s not applied [%s]: %s", update_info.version, kind.value, reason)
-                    return
-        finally:
-            self._serving = False
+        while True:
+            try:
+                call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
+            except queue.Empty:
+                self.last_failure = (FailureKind.TIMEOUT, f"version {update_info.version} did not arrive within "
+                                                          f"{update_info.timeout_s}s")
+                logger.warning("weight_bridge: %s", self.last_failure[1])
+                return
+            outcome = self._run(call, update_info.version)
+            if outcome is not None:
+                kind, reason = outcome
+                self.last_failure = None if kind is None else (kind, reason)
+                if kind is not None:
+                    logger.warning("weight_bridge: version %s not applied [%s]: %s", update_info.version, kind.value, reason)
+                return
 
     def finish_weight_update(self) -> None:
         """Nothing to do: the update finished inside ``update_weights`` (and a repeated call must not fail)."""
@@ -212,7 +206,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             if refused not in (0, version):
                 return None
             self._agree(False)
-            return FailureKind(kind) if kind in FailureKind._value2member_map_ else FailureKind.OTHER, reason
+            return parse_kind(kind) or FailureKind.OTHER, reason
         manifest = call.args[0]
         if call.name == "begin":
             self._manifest, self._failure = manifest, None
@@ -220,7 +214,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 self._failure = (FailureKind.VERSION, f"VersionError: the trainer announced version {version}, "
                                                       f"the publisher sent {manifest.version}")
             else:
-                self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._options()))
+                self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._router_options()))
             call.answer(None)
             return None
         if call.name == "load":
@@ -258,13 +252,13 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         call.answer(None)
         return FailureKind.ABORTED, f"update aborted: {call.args[1]}"
 
-    def _note(self, report: RankReport) -> None:
-        if not report.ok and self._failure is None:
-            self._failure = (report.kind or FailureKind.OTHER, f"rank {report.rank}: {report.error}")
+    def _router_options(self) -> dict[str, bool]:
+        return self.receiver.config.router.worker_options() if self.receiver is not None else {}
 
-    def _options(self) -> dict[str, Any]:
-        cfg = self.receiver.config.router if self.receiver is not None else None
-        return {"router": cfg.enabled, "audit": cfg.audit, "identity": cfg.identity_check} if cfg else {}
+    def _note(self, report: RankReport) -> None:
+        failed = first_failure([report])
+        if failed is not None and self._failure is None:
+            self._failure = failed
 
     def _agree(self, ok: bool) -> bool:
         """True when every TP rank is ok (each rank calls this once per update)."""
