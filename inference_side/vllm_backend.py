@@ -11,11 +11,14 @@ rules all apply. The whole update happens inside that one RPC: the model is neve
 between vLLM's calls. With TP > 1 the ranks agree (a gloo all-reduce on the TP group's CPU group) before
 they finish: all apply or none does.
 
-A refused or failed update is answered to the trainer's publisher in its ``Ack`` (reason and ``FailureKind``),
-and ``update_weights`` returns on every rank all the same, logging it: vLLM's multiprocess executor stops
-reading replies at the first rank that raised, so a raise on several ranks would leave the others' replies
-to be read as the answers of the next call. The trainer engine then closes vLLM's update session with
-``finish_weight_update`` and no version, so ``/weight_info`` keeps the served one.
+A refused or failed update is answered to the trainer's publisher in its ``Ack`` (reason and ``FailureKind``)
+and fails vLLM's ``update_weights`` call with the same reason (``UpdateFailed``; over HTTP the route answers with
+an error status and that reason). Only the last TP rank raises, the others return: vLLM's multiprocess executor
+reads the ranks' replies in rank order and stops at the first rank that raised, so a raise on an earlier rank
+would leave the later ranks' replies to be read as the answers of the next call. The ranks share the failure
+before they end, so the last rank raises with the real reason whichever rank found it. The trainer engine then
+closes vLLM's update session with ``finish_weight_update`` and no version (the last rank, whose session vLLM
+already closed, answers that call with an error the trainer expects), so ``/weight_info`` keeps the served one.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import config_from_dict
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure, parse_kind
 from bridge.transports import available as available_transports
 from inference_side.contract import EngineGate, StagedBucket
@@ -151,23 +154,30 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             raise BridgeError("weight_bridge: init_weight_transfer_engine was not called")
 
     def receive_weights(self, update_info: WeightBridgeUpdateInfo) -> None:
-        """Serve the receiver's lifecycle calls for version ``update_info.version`` until it finished or failed."""
+        """Serve the receiver's lifecycle calls for version ``update_info.version`` until it finished or failed.
+        Raises ``UpdateFailed`` (reason and kind) on the last TP rank when the update was not applied."""
         end = time.monotonic() + update_info.timeout_s
         while True:
             try:
                 call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
             except queue.Empty:
-                self.last_failure = (FailureKind.TIMEOUT, f"version {update_info.version} did not arrive within "
-                                                          f"{update_info.timeout_s}s")
-                logger.warning("weight_bridge: %s", self.last_failure[1])
+                self._failed(update_info.version, FailureKind.TIMEOUT,
+                             f"DeadlineExceeded: version {update_info.version} did not arrive within {update_info.timeout_s}s")
                 return
             outcome = self._run(call, update_info.version)
             if outcome is not None:
                 kind, reason = outcome
-                self.last_failure = None if kind is None else (kind, reason)
+                self.last_failure = None
                 if kind is not None:
-                    logger.warning("weight_bridge: version %s not applied [%s]: %s", update_info.version, kind.value, reason)
+                    self._failed(update_info.version, kind, reason)
                 return
+
+    def _failed(self, version: int, kind: FailureKind, reason: str) -> None:
+        self.last_failure = (kind, reason)
+        logger.warning("weight_bridge: version %s not applied [%s]: %s", version, kind.value, reason)
+        if self.tp_rank == self.tp_size - 1:  # the last rank's reply is read last (see the module's docstring)
+            raise UpdateFailed(f"weight_bridge: version {version} not applied [{kind.value}]: {reason}",
+                               {f"tp{self.tp_rank}": reason}, {f"tp{self.tp_rank}": kind})
 
     def finish_weight_update(self) -> None:
         """Nothing to do: the update finished inside ``update_weights`` (and a repeated call must not fail)."""
@@ -205,8 +215,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             kind, reason, refused = call.args
             if refused not in (0, version):
                 return None
-            self._agree(False)
-            return parse_kind(kind) or FailureKind.OTHER, reason
+            failure = self._agree((parse_kind(kind) or FailureKind.OTHER, reason))
+            return failure or (FailureKind.OTHER, reason)
         manifest = call.args[0]
         if call.name == "begin":
             self._manifest, self._failure = manifest, None
@@ -228,15 +238,17 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             call.answer(LoadResult(failure[1], failure[0], held) if failure else LoadResult(held=held))
             return None
         if call.name == "finish":
-            ok = self._agree(self._failure is None)
+            self._failure = self._agree(self._failure)
             ranks: list[RankReport] = []
-            if ok:
+            if self._failure is None:
                 finished = RankReport.coerce(self.worker.wb_finish())
                 ranks.append(finished)
                 self._note(finished)
+                # a rank whose finish failed (audit, identity) fails the update on every rank: no rank takes the
+                # version (the ranks that finished hold the new weights: see docs/guarantees.md on this mode)
+                self._failure = self._agree(self._failure)
             else:
                 self.worker.wb_abort()
-                self._failure = self._failure or (FailureKind.OTHER, "another TP rank failed this update")
             if self._failure is None:
                 self.version = manifest.version
                 report = {"tensors_audited": sum(r.tensors for r in ranks), "ranks": [r.to_dict() for r in ranks],
@@ -247,7 +259,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             call.answer(ApplyResult(False, reason, kind, {"ranks": [r.to_dict() for r in ranks]}))
             return kind, reason
         # abort
-        self._agree(False)
+        self._agree((FailureKind.ABORTED, str(call.args[1])))
         self.worker.wb_abort()
         call.answer(None)
         return FailureKind.ABORTED, f"update aborted: {call.args[1]}"
@@ -260,14 +272,20 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         if failed is not None and self._failure is None:
             self._failure = failed
 
-    def _agree(self, ok: bool) -> bool:
-        """True when every TP rank is ok (each rank calls this once per update)."""
+    def _agree(self, failure: tuple[FailureKind, str] | None) -> tuple[FailureKind, str] | None:
+        """The update's failure as every TP rank sees it: the first rank's failure, None when all are ok (each
+        rank calls this once per update)."""
         if self.tp_size == 1:
-            return ok
-        import torch
+            return failure
         import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
-        return bool(flag.item())
+        seen: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(seen, None if failure is None else (failure[0].value, failure[1]),
+                               group=get_tp_group().cpu_group)
+        for rank, other in enumerate(seen):
+            if other is not None:
+                kind, reason = other
+                return (parse_kind(kind) or FailureKind.OTHER,
+                        reason if rank == self.tp_rank else f"TP rank {rank}: {reason}")
+        return None

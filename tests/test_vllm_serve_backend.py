@@ -2,7 +2,8 @@
 with ``--weight-transfer-config '{"backend": "weight_bridge"}'``, driven over HTTP by vLLM's own
 ``HTTPVLLMWeightSyncClient`` and ``WeightTransferTrainerFactory``: two updates, each served completion (token ids
 and logprobs) equal to an engine cold-loaded from the same weights, ``/weight_info`` naming the version; NaN
-weights refused with kind ``nonfinite`` and the reason, the server still serving the previous version, the next
+weights refused with kind ``nonfinite`` and the reason (in the acks and in ``/update_weights``' error answer), the
+server still serving the previous version, the next
 good update applied; ``/pause`` in each mode (keep, wait, abort) around an update with requests in flight: none
 lost or hung, and requests after ``/resume`` are served by the new weights. One server per case (tiny Qwen2 at
 TP 1, tiny GPT-OSS at TP 2)."""
@@ -117,6 +118,9 @@ def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tm
         trainer.send_weights()
     assert FailureKind.NONFINITE in info.value.kinds.values(), (info.value.kinds, str(info.value))
     assert name in str(info.value)
+    # vLLM's own call failed too: the /update_weights route answered with an error status naming the tensor
+    answered = info.value.reasons["update_weights"]
+    assert answered.startswith("HTTP 5") and name in answered and "nonfinite" in answered, answered
     assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == "2"
     assert_same_outputs(_complete(server), cold[1])
     # the next good update goes in

@@ -13,6 +13,7 @@ plugins).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ from bridge.vllm_plugin import BACKEND, register
 from trainer_side.publisher import WeightPublisher
 
 register()
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,22 +102,46 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         holder.start()
         try:
             self.last_report = publisher.publish(iter(source), version)
+        except UpdateFailed as exc:
+            holder.join(self.init_info.update_timeout_s + 30)
+            self._close_session()
+            if failure:  # the engine's own answer to update_weights, beside the acks' reasons
+                raise UpdateFailed(f"{exc}; vLLM's update_weights answered: {_answer(failure[0])}",
+                                   {**exc.reasons, "update_weights": _answer(failure[0])}, exc.kinds) from exc
+            raise
         except BaseException:
             holder.join(self.init_info.update_timeout_s + 30)
-            self.client.finish_weight_update()  # close vLLM's update session; no version: the served one stays
+            self._close_session()
             raise
         holder.join(self.init_info.update_timeout_s + 30)
         if failure or holder.is_alive():
-            why = str(failure[0]) if failure else "update_weights did not return"
+            why = _answer(failure[0]) if failure else "update_weights did not return"
+            self._close_session()
             raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",
-                               {"vllm": why})
+                               {"update_weights": why})
         self.client.finish_weight_update(str(version))
         self.version = version
+
+    def _close_session(self) -> None:
+        """End vLLM's update session without a version after a failed update. The worker that raised in
+        ``update_weights`` has closed its own session already and answers this call with an error; expected."""
+        try:
+            self.client.finish_weight_update()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            logger.debug("weight_bridge: finish_weight_update after a failed update: %s", _answer(exc))
 
     def shutdown(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+
+
+def _answer(exc: BaseException) -> str:
+    """What the engine answered: an HTTP error's status and body, else the exception's text."""
+    response = getattr(exc, "response", None)
+    if response is not None:
+        return f"HTTP {response.status_code}: {response.text[:2000]}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class _Paused:
