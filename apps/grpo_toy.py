@@ -153,6 +153,7 @@ def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
             batch = [p for p in prompts for _ in range(cfg.group)]
             rollouts = sample(actors, batch, max_tokens=cfg.max_tokens, logprobs=0, temperature=cfg.temperature)
             completions = [r["token_ids"] for r in rollouts]
+            sampled_from = sorted({int(r["version"]) for r in rollouts})  # on-policy: the version just published
             rewards = [reward(c, cfg.target_tokens) for c in completions]
             advantages = torch.tensor(group_advantages(rewards, cfg.group))
             t_rollout = time.perf_counter() - t0
@@ -173,7 +174,7 @@ def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
             sync = sync_summary(report)
             yield {
                 "step": step, "reward": round(sum(rewards) / len(rewards), 4), "loss": round(float(loss), 5),
-                "version": version, "sync": sync, "rollout_mean_abs_logprob_diff": round(rollout_mismatch, 5),
+                "version": version, "rollouts_from": sampled_from, "sync": sync, "rollout_mean_abs_logprob_diff": round(rollout_mismatch, 5),
                 "seconds": {"rollout": round(t_rollout, 3), "train": round(t_train, 3),
                             "sync": round(report.seconds.get("total", 0.0), 3),
                             "step": round(time.perf_counter() - t0, 3)},

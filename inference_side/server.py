@@ -136,7 +136,9 @@ class InferenceServer(EngineGate):
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, logprobs: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> list[dict[str, Any]]:
-        """Token-id prompts in, token ids (and each sampled token's logprob) out. Greedy by default."""
+        """Token-id prompts in, one dict per prompt out: ``token_ids``, each sampled token's logprob
+        (``logprobs``, when asked) and ``version``, the weight version that produced them (no update runs
+        during a call, so one call's outputs share one version). Greedy by default."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
@@ -144,6 +146,7 @@ class InferenceServer(EngineGate):
         with self._serving():
             if self._degraded:
                 raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
+            version = self._version
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             self._generated += len(outs)
         result = []
@@ -152,13 +155,17 @@ class InferenceServer(EngineGate):
             lps = None
             if logprobs is not None and comp.logprobs is not None:
                 lps = [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs, strict=True)]
-            result.append({"token_ids": list(comp.token_ids), "logprobs": lps})
+            result.append({"token_ids": list(comp.token_ids), "logprobs": lps, "version": version})
         return result
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of each token after the first, under the served weights."""
+    def score(self, sequences: list[list[int]]) -> list[dict[str, Any]]:
+        """Per sequence: ``logprobs``, the log-probability of each token after the first under the served
+        weights, and ``version``, the weight version that scored it."""
         with self._serving():
-            return self._score(sequences)
+            if self._degraded:
+                raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
+            version = self._version
+            return [{"logprobs": lps, "version": version} for lps in self._score(sequences)]
 
     def read_params(self, paths: list[str]) -> list[dict[str, list[float]]]:
         """Each TP rank's live values of the given parameters (vLLM names)."""

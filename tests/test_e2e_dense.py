@@ -33,6 +33,7 @@ def test_publish_from_trainer_process_matches_cold_load(dense: Any, tmp_path: An
     actor = dense["actor"]
     endpoint = ray.get(actor.endpoint.remote())
     assert endpoint.startswith("tcp://127.0.0.1:")
+    served_before = ray.get(actor.version.remote())
     before = generate(actor)
     lines = run_trainer(endpoint, "tiny", seeds=[2], first_version=2, save_dir=tmp_path)
     assert lines[0]["ok"], lines
@@ -41,7 +42,8 @@ def test_publish_from_trainer_process_matches_cold_load(dense: Any, tmp_path: An
     after = generate(actor)
     (cold,) = oracle([tmp_path / "v2"], dense["tp"], "bfloat16")
     assert_same_outputs(after, cold)
-    assert after != before, "the update did not change the outputs at all"
+    assert [o["version"] for o in before] == [served_before] * len(before) and [o["version"] for o in after] == [2] * len(after)
+    assert [o["token_ids"] for o in after] != [o["token_ids"] for o in before], "the update did not change the outputs"
 
 
 # ---- bad input: each refused with an error that names the problem; nothing applied ------------
@@ -219,6 +221,51 @@ def test_same_version_with_other_weights_is_refused(dense: Any) -> None:
         assert again.noop and again.engine.get("content_checked") is True
     records = ray.get(actor.records.remote())
     assert len(records) == records_before, records[records_before:]  # a checked no-op records nothing
+
+
+def test_results_carry_the_version_that_produced_them(dense: Any) -> None:
+    """``generate`` and ``score`` results name the weight version that produced them, also when an update
+    lands while a caller generates: each result labelled version v equals what the engine serves at v."""
+    import threading
+
+    import ray
+    import torch
+
+    from trainer_side import WeightPublisher
+
+    if dense["tp"] != 1:
+        pytest.skip("the label is set by the actor, the same at every TP size")
+    actor = dense["actor"]
+    endpoint = ray.get(actor.endpoint.remote())
+    first = ray.get(actor.version.remote()) + 1
+    norms = {first: 1.5, first + 1: 0.25, first + 2: 1.5}  # the third version serves the first one's weights
+    seen: dict[int, Any] = {}
+
+    def content(outs: list[dict[str, Any]]) -> list[Any]:
+        return [(o["token_ids"], o["logprobs"]) for o in outs]
+
+    with WeightPublisher([endpoint]) as pub:
+        for version in (first, first + 1):
+            assert pub.publish([(NORM, torch.full((128,), norms[version], dtype=torch.bfloat16))], version=version).ok
+            outs = generate(actor)
+            assert {o["version"] for o in outs} == {version}
+            scored = ray.get(actor.score.remote([[1, 2, 3, 4, 5]]))
+            assert scored[0]["version"] == version and len(scored[0]["logprobs"]) == 4
+            seen[version] = content(outs)
+        assert seen[first] != seen[first + 1], "the two norms give the same outputs: the test could not tell them apart"
+        third = threading.Thread(target=pub.publish, args=([(NORM, torch.full((128,), norms[first + 2], dtype=torch.bfloat16))],),
+                                 kwargs={"version": first + 2})
+        results = [generate(actor)]
+        third.start()
+        while third.is_alive():
+            results.append(generate(actor))
+        third.join()
+        results.append(generate(actor))
+    expected = {first + 1: seen[first + 1], first + 2: seen[first]}
+    for outs in results:
+        (version,) = {o["version"] for o in outs}  # one call, one version
+        assert content(outs) == expected[version], f"outputs labelled version {version} came from other weights"
+    assert results[0][0]["version"] == first + 1 and results[-1][0]["version"] == first + 2
 
 
 def _last_record(actor: Any, cond: Any, timeout: float = 10.0) -> dict[str, Any]:

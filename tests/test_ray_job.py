@@ -195,6 +195,8 @@ def test_job_succeeds_and_every_sync_passed(job: Any) -> None:
     assert job["status"] == "SUCCEEDED", f"job ended {job['status']}:\n{job['logs'][-4000:]}"
     steps = job["steps"]
     assert [s["version"] for s in steps] == list(range(1, STEPS + 1)), job["logs"][-4000:]
+    # on-policy: every rollout of a step was sampled from the version published before it (0: the checkpoint)
+    assert [s["rollouts_from"] for s in steps] == [[v] for v in range(STEPS)], [s["rollouts_from"] for s in steps]
     for s in steps:
         sync = s["sync"]
         assert [e["engine"] for e in sync["engines"]] == ACTORS, sync  # one publish reached both engines
