@@ -5,7 +5,9 @@ and logprobs) equal to an engine cold-loaded from the same weights, ``/weight_in
 weights refused with kind ``nonfinite`` and the reason (in the acks and in ``/update_weights``' error answer), the
 server still serving the previous version, the next
 good update applied; ``/pause`` in each mode (keep, wait, abort) around an update with requests in flight: none
-lost or hung, and requests after ``/resume`` are served by the new weights. One server per case (tiny Qwen2 at
+lost or hung, requests after ``/resume`` are served by the new weights, and vLLM's per-token weight-version spans
+(``/inference/v1/generate``, ``--enable-scale-out``) show what a request in flight saw: both versions in keep mode,
+the old one only in wait and abort modes. One server per case (tiny Qwen2 at
 TP 1, tiny GPT-OSS at TP 2)."""
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def server(request: Any, tmp_path_factory: Any) -> Any:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
          "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
-         "--tensor-parallel-size", str(tp), "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
+         "--tensor-parallel-size", str(tp), "--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 420
@@ -168,7 +170,14 @@ def test_pause_modes_with_requests_in_flight(server: Any, cold: dict[int, Any], 
             "model": str(server["ckpt"]), "prompt": prompt, "max_tokens": 240, "temperature": 0.0, "ignore_eos": True})
         answers.append((r.status_code, r.json(), time.monotonic()))
 
-    threads = [threading.Thread(target=ask, args=(p,), daemon=True) for p in PROMPTS * 2]
+    def ask_tokens(prompt: list[int]) -> None:  # vLLM's token-in/token-out route names each token's weight version
+        r = requests.post(f"{server['url']}/inference/v1/generate", timeout=300, json={
+            "model": str(server["ckpt"]), "token_ids": prompt,
+            "sampling_params": {"max_tokens": 240, "temperature": 0.0, "ignore_eos": True}})
+        answers.append((r.status_code, r.json(), time.monotonic()))
+
+    threads = [threading.Thread(target=ask if i % 2 else ask_tokens, args=(p,), daemon=True)
+               for i, p in enumerate(PROMPTS * 2)]
     for t in threads:
         t.start()
     _complete(server, [LONG])  # served on the old weights (CPU KV blocks hold 256 tokens: nothing is cached here)
@@ -197,6 +206,17 @@ def test_pause_modes_with_requests_in_flight(server: Any, cold: dict[int, Any], 
         assert status == 200, body
         reason = body["choices"][0]["finish_reason"]
         assert reason == "length" or (mode == "abort" and reason == "abort"), (mode, body)
+    # which weights sampled each token (vLLM's weight_versions spans, on the token route): in keep mode a request
+    # in flight holds tokens of both versions; in wait and abort modes it ends on the old weights only
+    spans = [[(s["version"], s["start"], s["end"]) for s in body["choices"][0]["weight_versions"]]
+             for _, body, _ in answers if body["choices"][0].get("weight_versions")]
+    assert spans, answers
+    for one in spans:
+        assert one[0][1] == 0 and all(a[2] == b[1] for a, b in zip(one, one[1:], strict=False)), one  # contiguous
+    if mode == "keep":
+        assert any([v for v, _, _ in one] == [served, str(first)] for one in spans), spans
+    else:
+        assert all([v for v, _, _ in one] == [served] for one in spans), spans
     assert requests.get(f"{server['url']}/is_paused", timeout=10).json()["is_paused"] is False
     assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == str(first)
     # a new request is served by the new weights
