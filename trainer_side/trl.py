@@ -44,9 +44,9 @@ class WeightBridgeVLLMClient(VLLMClient):
 
     Contract: one ``update_named_params`` / ``update_model_params`` call, or one ``with weight_update():``
     block of ``update_named_param`` calls, is one version (1, 2, ... from ``init_info.first_version``),
-    published whole or not at all: a refused update raises ``UpdateFailed`` (each worker's ``FailureKind``
-    and reason) and the server keeps serving its previous version; a block left by an exception publishes
-    nothing. ``engine.version`` is the last version the server applied (``/weight_info`` names it).
+    applied whole or refused: a refused update raises ``UpdateFailed`` (each worker's ``FailureKind`` and
+    reason; the server's state afterwards is the backend's, README "Guarantees and limits"); a block left by
+    an exception publishes nothing. ``engine.version`` is the last version the server applied (``/weight_info`` names it).
 
     ``init_info`` defaults to ``WeightBridgeInitInfo(rank=0)`` with ``host`` = the server's host; its
     ``tp_size`` is always read from the server (each TP worker listens on ``host:base_port + rank``).
