@@ -261,6 +261,7 @@ class InferenceServer(EngineGate):
                 self.llm.reset_prefix_cache()
                 self._version = manifest.version
                 self._degraded = None
+                self.llm.update_weight_version(str(manifest.version))  # vLLM's label of the tokens it samples
                 probe = self._probe(manifest.probe) if manifest.probe and self.config.probe.enabled else {}
             finally:
                 self._end(update)
