@@ -2,8 +2,10 @@
 
 ``InferenceActor`` (see ``inference_side/__init__.py``) is this class as a Ray actor. It is the
 ``EngineGate`` its ``SyncReceiver`` drives (inference_side/contract.py): ``begin`` / ``load`` / ``finish`` /
-``abort`` become the same calls on every TP worker (inference_side/worker_ext.py). No request runs while an
-update is open: generation waits (at most ``deadlines.ack_s``) until the update finished or was aborted.
+``abort`` become the same steps on every TP worker, taken by the ``weight_bridge`` backend that ``vllm serve``
+uses (``wb_step`` → inference_side/vllm_backend.py ``run_step``) inside vLLM's weight-update session: ``start_weight_update``
+before the first, ``finish_weight_update(version)`` once applied, so vLLM labels its outputs with the version.
+No request runs while an update is open: generation waits (at most ``deadlines.ack_s``) until the update finished or was aborted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from bridge.errors import BridgeError, ConfigError, DeadlineExceeded
 from bridge.records import SyncRecord
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
 from bridge.transports import available as available_transports
+from bridge.vllm_plugin import BACKEND
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
@@ -75,7 +78,10 @@ class InferenceServer(EngineGate):
         self.dtype = dtype
         self.name = name or f"engine-{socket.gethostname()}"
         self.table = read_tensor_table(self.model_path)
-        self.llm = start_llm(self.model_path, tensor_parallel_size, dtype, llm_kwargs)
+        # the workers' side of every update is the weight_bridge backend (inference_side/vllm_backend.py)
+        self.llm = start_llm(self.model_path, tensor_parallel_size, dtype,
+                             {"weight_transfer_config": {"backend": BACKEND}, **llm_kwargs})
+        self._session = False  # vLLM's weight-update session is open (start_weight_update .. finish_weight_update)
         self.setup = self.llm.collective_rpc("wb_setup")
         if self.config.serve.worker_idle_spin_s is not None:
             self.llm.collective_rpc("wb_idle_spin", args=(self.config.serve.worker_idle_spin_s,))
@@ -258,10 +264,10 @@ class InferenceServer(EngineGate):
             try:
                 if self._host_copy is not None:
                     self._host_copy.keep(update.buckets)
+                self._close_session(manifest.version)  # vLLM labels the tokens it samples from now on with it
                 self.llm.reset_prefix_cache()
                 self._version = manifest.version
                 self._degraded = None
-                self.llm.update_weight_version(str(manifest.version))  # vLLM's label of the tokens it samples
                 probe = self._probe(manifest.probe) if manifest.probe and self.config.probe.enabled else {}
             finally:
                 self._end(update)
@@ -279,8 +285,18 @@ class InferenceServer(EngineGate):
 
     # ---- one update: internals -----------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[RankReport]:
-        """One lifecycle call on every TP worker; one report per rank."""
-        return [RankReport.coerce(r) for r in self.llm.collective_rpc(method, args=args)]
+        """One lifecycle call (``wb_begin`` ...) on every TP worker, through the weight_bridge backend inside vLLM's
+        weight-update session (opened here by the first call of an update); one report per rank."""
+        if not self._session:
+            self.llm.start_weight_update()
+            self._session = True
+        return [RankReport.coerce(r) for r in self.llm.collective_rpc("wb_step", args=(method.removeprefix("wb_"), *args))]
+
+    def _close_session(self, version: int | None) -> None:
+        """End vLLM's weight-update session; ``version``: the one now served (its label in vLLM), else none."""
+        if self._session:
+            self._session = False
+            self.llm.finish_weight_update(None if version is None else str(version))
 
     @staticmethod
     def _ranks(update: _Update, reports: list[RankReport]) -> None:
@@ -315,6 +331,7 @@ class InferenceServer(EngineGate):
             self._end(update)
 
     def _end(self, update: _Update) -> None:
+        self._close_session(None)  # still open only when the update failed or an exception cut it short
         if self._update is update:
             self._update = None
             self._engine.notify_all()

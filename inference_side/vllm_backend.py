@@ -44,6 +44,7 @@ from bridge.config import config_from_dict
 from bridge.errors import BridgeError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure, parse_kind
 from bridge.transports import available as available_transports
+from bridge.vllm_plugin import BACKEND
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
@@ -127,7 +128,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         super().__init__(config, vllm_config, device, model)
-        self.worker = _ModelWorker(model, vllm_config)
+        self.worker: WeightSyncWorker = _ModelWorker(model, vllm_config)
         self.table = read_tensor_table(vllm_config.model_config.model)
         self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
@@ -150,12 +151,14 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         logger.info("weight_bridge: TP rank %d takes updates at %s", self.tp_rank, endpoint)
 
     def start_weight_update(self) -> None:
-        if self.receiver is None:
-            raise BridgeError("weight_bridge: init_weight_transfer_engine was not called")
+        """Nothing to prepare: the reload opens with the update's first lifecycle call (``wb_begin``)."""
 
     def receive_weights(self, update_info: WeightBridgeUpdateInfo) -> None:
         """Serve the receiver's lifecycle calls for version ``update_info.version`` until it finished or failed.
         Raises ``UpdateFailed`` (reason and kind) on the last TP rank when the update was not applied."""
+        if self.receiver is None:
+            raise BridgeError("weight_bridge: init_weight_transfer_engine was not called: no receiver takes this "
+                              "worker's updates (an InferenceActor drives its workers with run_step instead)")
         end = time.monotonic() + update_info.timeout_s
         while True:
             try:
@@ -186,6 +189,13 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         if self.receiver is not None:
             self.receiver.stop()
             self.receiver = None
+
+    # ---- a host-side gate's calls (InferenceActor): one lifecycle step, see run_step ----------------------
+    def step(self, name: str, *args: Any) -> RankReport:
+        """``wb_<name>`` (begin, load, finish, abort) on this worker's model; its report, never raises."""
+        if name not in ("begin", "load", "finish", "abort"):
+            return RankReport(self.tp_rank, ok=False, kind=FailureKind.WIRE, error=f"no lifecycle step named {name!r}")
+        return RankReport.coerce(getattr(self.worker, f"wb_{name}")(*args))
 
     # ---- the receiver's calls, run on the RPC thread -------------------------------------------------
     def call(self, name: str, *args: Any) -> Any:
@@ -289,3 +299,25 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 return (parse_kind(kind) or FailureKind.OTHER,
                         reason if rank == self.tp_rank else f"TP rank {rank}: {reason}")
         return None
+
+
+def run_step(worker: Any, name: str, *args: Any) -> RankReport:
+    """One lifecycle step (``begin`` / ``load`` / ``finish`` / ``abort``) on one worker, for a gate that drives every
+    TP worker from the host: ``llm.collective_rpc("wb_step", args=(name, *args))`` between vLLM's
+    ``start_weight_update`` and ``finish_weight_update`` (``LLM.update_weights`` returns no per-rank result, so the
+    steps go through ``collective_rpc`` into the same engine). Refused outside vLLM's update session. The engine
+    takes the worker's own extension (``worker_extension_cls``, a ``WeightSyncWorker``) for its model calls, so a
+    deployment's subclass of it applies."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    real = worker.worker if isinstance(worker, WorkerWrapperBase) else worker
+    engine = getattr(real, "weight_transfer_engine", None)
+    if not isinstance(engine, WeightBridgeEngine):
+        return RankReport(0, ok=False, kind=FailureKind.OTHER, error="the engine was not started with "
+                          f"weight_transfer_config={{'backend': '{BACKEND}'}} (found {type(engine).__name__})")
+    if not getattr(real, "_weight_update_active", False):
+        return RankReport(engine.tp_rank, ok=False, kind=FailureKind.WIRE,
+                          error=f"wb_{name} outside a weight update: start_weight_update was not called")
+    if isinstance(real, WeightSyncWorker) and engine.worker is not real:
+        engine.worker = real
+    return engine.step(name, *args)

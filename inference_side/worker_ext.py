@@ -204,6 +204,13 @@ class WeightSyncWorker:
             self._wb_buckets().close_all()
         return replace(done, seconds={**done.seconds, "worker_finish": time.perf_counter() - t0})
 
+    def wb_step(self, name: str, *args: Any) -> RankReport:
+        """One lifecycle step taken by this worker's weight_bridge backend engine (inference_side/vllm_backend.py
+        ``run_step``): how an InferenceActor drives its workers inside vLLM's weight-update session."""
+        from inference_side.vllm_backend import run_step
+
+        return run_step(self, name, *args)
+
     @_exclusive
     def wb_abort(self) -> RankReport:
         """End an open reload without finishing it: kernel tensors back in place (a mix of versions if
