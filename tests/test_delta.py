@@ -162,19 +162,31 @@ def test_chooser_on_bf16(density: float, expected: str) -> None:
         assert d.spec.nbytes <= d.spec.dense_nbytes
 
 
-def test_chooser_takes_the_smallest_tried() -> None:
+def test_chooser_takes_the_smaller_of_patch_and_dense() -> None:
     gen = torch.Generator().manual_seed(6)
     base = random_tensor((1 << 14,), torch.float32, gen)
-    for density in (0.01, 0.3, 1.0):
+    for density in (0.01, 0.3, 0.6, 1.0):
         new = rl_step(base, density, gen)
         chosen = delta.encode(base, new, name="w", base_version=0)
         each = {e: delta.encode(base, new, name="w", base_version=0, encodings=(e,)).spec.nbytes for e in delta.ENCODINGS}
-        if chosen.spec.changed > delta.SPARSE_MAX_CHANGED * base.numel():
-            each.pop("sparse")  # not tried: it costs about what XOR does there (here within 0.1%)
-        assert chosen.spec.nbytes == min(each.values()), (density, chosen.spec, each)
+        patch = "sparse" if chosen.spec.changed <= delta.SPARSE_MAX_CHANGED * base.numel() else "xor"
+        assert chosen.spec.nbytes == min(each[patch], each["dense"]), (density, chosen.spec, each)
     # a small step on every element: the XOR stream (sign, exponent and high mantissa bytes unchanged) wins
     new = rl_step(base, 1.0, gen, scale=1e-4)
     assert delta.encode(base, new, name="w", base_version=0).spec.encoding == "xor"
+
+
+@pytest.mark.parametrize("scale", [1e-2, 1e-4])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1, 0.3, 0.45])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_sparse_is_smaller_than_xor_below_the_limit(dtype: torch.dtype, density: float, scale: float) -> None:
+    """Why encode makes no XOR patch below SPARSE_MAX_CHANGED: there the sparse one is never larger by
+    more than 0.1% of the dense size (a few bytes, where hardly any bits changed)."""
+    gen = torch.Generator().manual_seed(8)
+    base = random_tensor((1 << 16,), dtype, gen)
+    new = rl_step(base, density, gen, scale)
+    sizes = {e: delta.encode(base, new, name="w", base_version=0, encodings=(e,)).spec.nbytes for e in ("sparse", "xor")}
+    assert sizes["sparse"] <= sizes["xor"] + base.numel() * base.element_size() // 1000, sizes
 
 
 def test_identical_tensors_cost_nothing() -> None:
