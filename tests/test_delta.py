@@ -11,6 +11,8 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bridge import checksums, delta
 from bridge.delta import DeltaSpec, DeltaTensor, WireChoice, plan_deltas, plan_wire
@@ -424,3 +426,81 @@ def test_struct_sanity() -> None:
     """The SPECIAL patterns are what they claim (guards the table, not the codec)."""
     assert math.isnan(struct.unpack("<f", struct.pack("<I", SPECIAL[torch.float32][5]))[0])
     assert math.copysign(1, struct.unpack("<f", struct.pack("<I", SPECIAL[torch.float32][1]))[0]) == -1
+
+
+# ---- fuzzing: arbitrary bits round-trip; arbitrary input raises only our errors ------------------
+
+FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64]
+
+
+@st.composite
+def bit_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors of any bit patterns, the second differing from the first at a drawn subset."""
+    dtype = draw(st.sampled_from(FUZZ_DTYPES))
+    width = torch.empty((), dtype=dtype).element_size()
+    numel = draw(st.integers(0, 300))
+    base = draw(st.binary(min_size=numel * width, max_size=numel * width))
+    new = bytearray(base)
+    for i in draw(st.sets(st.integers(0, max(numel - 1, 0)), max_size=numel)):
+        new[i * width:(i + 1) * width] = draw(st.binary(min_size=width, max_size=width))
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=dtype).clone() if numel else torch.empty(0, dtype=dtype)  # noqa: E731
+    return as_tensor(base), as_tensor(new)
+
+
+@FUZZ
+@given(bit_pairs(), st.sampled_from([delta.ENCODINGS, ("sparse",), ("xor",), ("dense",)]))
+def test_any_bits_roundtrip(pair: tuple[torch.Tensor, torch.Tensor], encodings: tuple[delta.Encoding, ...]) -> None:
+    roundtrip(*pair, encodings=encodings)
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> DeltaTensor:
+    """A spec for a 64-element bf16 tensor and any payload: uncompressed ones of the size the spec needs
+    (so they get past the size check to the decoder), compressed ones any bytes or a valid zstd frame."""
+    import zstandard
+
+    encoding = draw(st.sampled_from(delta.ENCODINGS))
+    codec = draw(st.sampled_from(delta.CODECS))
+    changed = draw(st.integers(0, 64))
+    raw_nbytes = changed * 6 if encoding == "sparse" else 128
+    if codec == "none":
+        payload = draw(st.binary(min_size=raw_nbytes, max_size=raw_nbytes))
+    elif draw(st.booleans()):
+        payload = zstandard.ZstdCompressor().compress(draw(st.binary(min_size=raw_nbytes, max_size=raw_nbytes)))
+    else:
+        payload = draw(st.binary(max_size=300))
+    spec = DeltaSpec("w", "bfloat16", (64,), encoding, codec, 0, checksums.function("crc32")(delta.tensor_bytes(FUZZ_BASE)),
+                     draw(st.integers(0, 0xFFFFFFFF)), "crc32", len(payload), 128, changed)
+    return DeltaTensor(spec, payload)
+
+
+FUZZ_BASE = torch.arange(64, dtype=torch.int16).to(torch.bfloat16)
+
+
+@FUZZ
+@given(payloads())
+def test_any_payload_is_refused_or_exact(d: DeltaTensor) -> None:
+    """Whatever payload arrives under a valid spec: CorruptPatch, or (by chance) the declared tensor."""
+    d.spec.check()
+    try:
+        out = delta.apply(FUZZ_BASE, d)
+    except CorruptPatch:
+        return
+    assert checksums.function("crc32")(delta.tensor_bytes(out)) == d.spec.result_checksum
+
+
+_VALID = DeltaSpec("model.layers.0.w", "bfloat16", (4, 8), "sparse", "zstd", 3, 1, 2, "xxh3", 20, 64, 5).to_wire()
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(), st.text(max_size=20),
+                    st.binary(max_size=8), st.lists(st.integers(-5, 1 << 41), max_size=10), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(_VALID)), _VALUES, max_size=4), st.sets(st.sampled_from(sorted(_VALID)), max_size=3))
+def test_wire_form_raises_only_wire_errors(changes: dict[str, object], dropped: set[str]) -> None:
+    raw = {k: v for k, v in {**_VALID, **changes}.items() if k not in dropped}
+    try:
+        spec = DeltaSpec.from_wire(raw)
+    except WireError:
+        return
+    assert DeltaSpec.from_wire(spec.to_wire()) == spec
