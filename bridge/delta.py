@@ -25,7 +25,7 @@ tensor carries.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -228,10 +228,6 @@ def _decompress(spec: DeltaSpec, payload: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(raw, dtype="u1")
 
 
-def _checksum(name: str) -> Callable[[Any], int]:
-    return checksums.function(name)
-
-
 # ---- encode ------------------------------------------------------------------------------------
 
 
@@ -267,7 +263,7 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
     numel = math.prod(shape)
     if base.nbytes != numel * width or new.nbytes != numel * width:
         raise ValueError(f"delta {name}: {base.nbytes} and {new.nbytes} bytes for a {list(shape)} {dtype} tensor of {numel * width}")
-    fn = _checksum(checksum)
+    fn = checksums.function(checksum)
     old_bits = base.view(_uint(width))
     new_bits = new.view(_uint(width))
     diff = np.bitwise_xor(old_bits, new_bits)
@@ -317,7 +313,7 @@ def check_base(base: np.ndarray, spec: DeltaSpec) -> None:
     nbytes = base.nbytes
     if nbytes != spec.dense_nbytes:
         raise ManifestError(f"tensor {spec.name}: the base here is {nbytes} bytes, the delta's {list(spec.shape)} {spec.dtype} is {spec.dense_nbytes}")
-    actual = _checksum(spec.checksum)(base)
+    actual = checksums.function(spec.checksum)(base)
     if actual != spec.base_checksum:
         raise WrongBase(
             f"tensor {spec.name}: wrong base: the delta applies to version {spec.base_version} whose {spec.checksum} "
@@ -362,7 +358,7 @@ def apply_bytes(base: np.ndarray, delta: DeltaTensor, out: np.ndarray) -> None:
         out[:] = raw
     else:
         _unplanes(raw, width, out)
-    actual = _checksum(spec.checksum)(out)
+    actual = checksums.function(spec.checksum)(out)
     if actual != spec.result_checksum:
         raise CorruptPatch(
             f"tensor {spec.name}: corrupt patch: the result's {spec.checksum} is {actual:#x}, the delta declares "
