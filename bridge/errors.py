@@ -37,6 +37,12 @@ class ChecksumError(WireError):
     kind: ClassVar[FailureKind] = FailureKind.CHECKSUM
 
 
+class CorruptPatch(ChecksumError):
+    """A delta's patch does not decode, or the tensor it makes does not match its declared checksum."""
+
+    kind: ClassVar[FailureKind] = FailureKind.CHECKSUM
+
+
 class NonFiniteError(WireError):
     """A tensor holds NaN or Inf and the policy rejects it."""
 
@@ -65,6 +71,13 @@ class VersionConflict(VersionError):
     """A version the engine already serves was published again with different weights."""
 
     kind: ClassVar[FailureKind] = FailureKind.CONFLICT
+
+
+class WrongBase(BridgeError):
+    """A delta names a base (version and checksum) other than the content the engine serves. Its own kind,
+    not VERSION: a stale update is dropped, while a delta on the wrong base is resent dense."""
+
+    kind: ClassVar[FailureKind] = FailureKind.BASE
 
 
 class AuditError(BridgeError):

@@ -23,6 +23,7 @@ class FailureKind(StrEnum):
     MANIFEST = "manifest"  # a name, shape, dtype or layout the engine cannot take
     VERSION = "version"  # not newer than the served version
     CONFLICT = "conflict"  # the served version number re-used for other weights
+    BASE = "base"  # a delta's base is not what the engine serves (the publisher resends dense)
     ROUTER = "router"  # a tensor cannot be routed to its parameter
     TIMEOUT = "timeout"  # a deadline passed, or a peer went silent
     WIRE = "wire"  # a malformed or out-of-order message

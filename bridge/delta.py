@@ -1,0 +1,480 @@
+"""Delta codec: one tensor of version N+1 as a patch against the version N an engine serves.
+
+Pure: no transport, no engine. ``encode`` compares two same-shape, same-dtype CPU tensors bit for bit and
+chooses per tensor the smallest of three encodings (docs/delta.md):
+
+``sparse``  the positions whose bit patterns differ (gaps between them, ``uint32``, or ``uint64`` when the
+            tensor has more than 2**32 elements) and, at each, the XOR of base and new bits;
+``xor``     the XOR of the two bit patterns over the whole tensor (mostly zero bytes);
+``dense``   the new bit patterns themselves (no base needed, but the base is still checked).
+
+Sparse and xor payloads store their multi-byte streams as byte planes (byte 0 of every element, then
+byte 1, ...), which puts the bytes that rarely change next to each other; each payload is compressed
+with zstd (level 1) when that makes it smaller (``codec`` "zstd", else "none"). A dense payload is the
+tensor's bytes as they are, or, compressed, its byte planes. Everything works on bit patterns, never on
+float values, so it is exact at the bit level: NaN payloads, -0.0 and 0.0, subnormals round-trip.
+
+The chain is explicit: a ``DeltaSpec`` names its base version and the checksum of the base's bytes, and
+the checksum of the resulting full tensor. ``apply`` refuses a base whose checksum differs
+(:class:`WrongBase`) before writing anything, and a patch that does not decode or whose result does not
+hash to the declared checksum (:class:`CorruptPatch`). Checksums are those of bridge/checksums.py, over the
+tensor's bytes in its wire dtype, so a delta's result checksum is the one a dense update of the same
+tensor carries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from bridge import checksums
+from bridge.errors import CorruptPatch, ManifestError, WrongBase
+from bridge.wire import _NAME_RE, DTYPE_SIZES, MAX_NDIM, _int, _require, _str
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+Encoding = Literal["sparse", "xor", "dense"]
+Codec = Literal["zstd", "none"]
+ENCODINGS: tuple[Encoding, ...] = ("sparse", "xor", "dense")
+CODECS: tuple[Codec, ...] = ("zstd", "none")
+ZSTD_LEVEL = 1  # measured fastest for its ratio on weights (docs/delta.md): zlib 1 is 10-20x slower
+# ``encode`` makes a sparse patch up to this fraction of changed elements and an XOR patch beyond it (one
+# of the two, not both: below it sparse was smaller, or larger by under 0.1% of dense, in every case
+# measured (bf16, fp16, fp32; steps of 1e-2 and 1e-4: tests/test_delta.py); above it the two are close)
+SPARSE_MAX_CHANGED = 0.5
+# ``encode`` tries compressing the dense bytes only when no delta candidate is below this fraction of the
+# dense size: weights compress to 65-80% at best, so a smaller delta wins without spending the pass
+DENSE_TRY_ABOVE = 0.5
+
+
+def index_width(numel: int) -> int:
+    """Bytes per position gap of a sparse patch of a tensor of ``numel`` elements."""
+    return 4 if numel <= 1 << 32 else 8
+
+
+@dataclass(frozen=True)
+class DeltaSpec:
+    """One tensor's delta as the manifest carries it (``to_wire``: a map of plain scalars for msgpack).
+
+    ``nbytes`` is the size of the payload on the wire, ``dense_nbytes`` of the full tensor
+    (``numel * element size``). ``changed`` counts the elements whose bit patterns differ between base and
+    result (what a sparse payload holds; telemetry for the others). ``checksum`` names the algorithm of
+    ``base_checksum`` (over the base's bytes) and ``result_checksum`` (over the resulting tensor's bytes).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+    codec: Codec
+    base_version: int
+    base_checksum: int
+    result_checksum: int
+    checksum: str
+    nbytes: int
+    dense_nbytes: int
+    changed: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Size of the payload before compression (what ``codec`` "none" sends)."""
+        if self.encoding == "sparse":
+            return self.changed * (index_width(self.numel) + self.itemsize)
+        return self.dense_nbytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding,
+            "codec": self.codec, "base_version": self.base_version, "base_checksum": self.base_checksum,
+            "result_checksum": self.result_checksum, "checksum": self.checksum, "nbytes": self.nbytes,
+            "dense_nbytes": self.dense_nbytes, "changed": self.changed,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DeltaSpec:
+        """Validate a received map: every field typed and in range, sizes consistent. WireError or
+        ManifestError naming what is wrong."""
+        _require(isinstance(raw, dict), f"delta entry must be a map, got {type(raw).__name__}")
+        name = _str(raw.get("name"), "delta tensor name")
+        _require(bool(_NAME_RE.fullmatch(name)) and ".." not in name, f"delta tensor name {name!r} is not a valid parameter path", ManifestError)
+        dtype = _str(raw.get("dtype"), f"delta {name}: dtype", 32)
+        _require(dtype in DTYPE_SIZES, f"delta {name}: unknown dtype {dtype!r}", ManifestError)
+        shape_raw = raw.get("shape")
+        _require(isinstance(shape_raw, list | tuple) and len(shape_raw) <= MAX_NDIM, f"delta {name}: shape must be a list of at most {MAX_NDIM} dims", ManifestError)
+        shape = tuple(_int(d, f"delta {name}: dim", 0, 1 << 40) for d in shape_raw)  # type: ignore[union-attr]
+        encoding = raw.get("encoding")
+        _require(encoding in ENCODINGS, f"delta {name}: unknown encoding {encoding!r} (known: {', '.join(ENCODINGS)})")
+        codec = raw.get("codec")
+        _require(codec in CODECS, f"delta {name}: unknown codec {codec!r} (known: {', '.join(CODECS)})")
+        algorithm = _str(raw.get("checksum"), f"delta {name}: checksum", 32)
+        _require(algorithm in checksums.KNOWN, f"delta {name}: unknown checksum algorithm {algorithm!r} (known: {', '.join(checksums.KNOWN)})")
+        spec = cls(
+            name=name, dtype=dtype, shape=shape, encoding=encoding, codec=codec, checksum=algorithm,  # type: ignore[arg-type]
+            base_version=_int(raw.get("base_version"), f"delta {name}: base_version"),
+            base_checksum=_int(raw.get("base_checksum"), f"delta {name}: base_checksum", 0, 0xFFFFFFFFFFFFFFFF),
+            result_checksum=_int(raw.get("result_checksum"), f"delta {name}: result_checksum", 0, 0xFFFFFFFFFFFFFFFF),
+            nbytes=_int(raw.get("nbytes"), f"delta {name}: nbytes"),
+            dense_nbytes=_int(raw.get("dense_nbytes"), f"delta {name}: dense_nbytes"),
+            changed=_int(raw.get("changed"), f"delta {name}: changed"),
+        )
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """Sizes consistent with dtype, shape, encoding and codec (ManifestError otherwise)."""
+        name, numel = self.name, self.numel
+        expected = numel * self.itemsize
+        _require(self.dense_nbytes == expected, f"delta {name}: dense_nbytes={self.dense_nbytes} but shape {list(self.shape)} of {self.dtype} needs {expected}", ManifestError)
+        _require(self.changed <= numel, f"delta {name}: changed={self.changed} exceeds the {numel} elements", ManifestError)
+        if self.codec == "none":
+            _require(self.nbytes == self.raw_nbytes, f"delta {name}: an uncompressed {self.encoding} payload is {self.raw_nbytes} bytes, not {self.nbytes}", ManifestError)
+
+
+@dataclass(frozen=True)
+class DeltaTensor:
+    """A ``DeltaSpec`` and its payload (``len(payload) == spec.nbytes``)."""
+
+    spec: DeltaSpec
+    payload: bytes
+
+
+# ---- bytes and bit patterns ---------------------------------------------------------------------
+
+
+def _uint(width: int) -> str:
+    return f"<u{width}"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a flat uint8 array (a view when it is contiguous, else a copy)."""
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise ValueError(f"delta: tensors must be on the CPU, got {tensor.device}")
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"delta: dtype {name} is not a wire dtype (known: {', '.join(DTYPE_SIZES)})")
+    return name
+
+
+def _planes(data: np.ndarray, width: int) -> np.ndarray:
+    """Byte planes of ``width``-byte elements: byte 0 of every element, then byte 1, ... (a flat uint8 array)."""
+    flat = data.reshape(-1).view("u1")
+    if width == 1:
+        return flat
+    return flat.reshape(-1, width).T.copy().reshape(-1)
+
+
+def _unplanes(planes: np.ndarray, width: int, out: np.ndarray) -> None:
+    """Inverse of ``_planes`` into the flat uint8 array ``out``."""
+    if width == 1:
+        out[:] = planes
+    else:
+        out.reshape(-1, width)[:] = planes.reshape(width, -1).T
+
+
+def _compress(raw: np.ndarray, level: int) -> bytes | None:
+    """``raw`` compressed with zstd, or None when that does not make it smaller."""
+    import zstandard
+
+    if raw.nbytes == 0:
+        return None
+    packed = zstandard.ZstdCompressor(level=level).compress(raw.data)
+    return packed if len(packed) < raw.nbytes else None
+
+
+def _candidate(encoding: Encoding, raw: np.ndarray, level: int) -> tuple[Encoding, Codec, bytes | None]:
+    packed = _compress(raw, level)
+    return (encoding, "none", raw.tobytes()) if packed is None else (encoding, "zstd", packed)
+
+
+def _decompress(spec: DeltaSpec, payload: bytes | memoryview) -> np.ndarray:
+    """The raw payload as a uint8 array of exactly ``spec.raw_nbytes``; CorruptPatch if it does not decode."""
+    import numpy as np
+
+    expected = spec.raw_nbytes
+    if len(payload) != spec.nbytes:
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: {len(payload)} payload bytes, the delta declares {spec.nbytes}")
+    if spec.codec == "none":
+        return np.frombuffer(payload, dtype="u1")
+    import zstandard
+
+    try:
+        # decompress() trusts the frame's declared size over max_output_size: check it first (bounded memory)
+        declared = zstandard.frame_content_size(payload)
+        if declared != expected:
+            raise CorruptPatch(f"tensor {spec.name}: corrupt patch: the zstd frame declares {declared} bytes, the {spec.encoding} payload needs {expected}")
+        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: zstd: {exc}") from exc
+    if len(raw) != expected:
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: decompressed to {len(raw)} bytes, expected {expected}")
+    return np.frombuffer(raw, dtype="u1")
+
+
+# ---- encode ------------------------------------------------------------------------------------
+
+
+def encode(base: torch.Tensor, new: torch.Tensor, *, name: str, base_version: int, checksum: str = checksums.DEFAULT,
+           encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL, base_checksum: int | None = None) -> DeltaTensor:
+    """The delta turning ``base`` into ``new`` (same shape and dtype, CPU), in the smallest encoding tried.
+
+    ``encodings`` restricts the candidates (at least one). Two are tried: a patch, sparse when at most
+    ``SPARSE_MAX_CHANGED`` of the elements changed and xor otherwise (the other one when only it is
+    allowed), and dense, compressed only when the patch is not below ``DENSE_TRY_ABOVE`` of the dense
+    size; the fewer payload bytes win (ties: the patch). ``base_checksum`` may pass the base's checksum when the caller
+    already has it (the publisher sent it with version ``base_version``); it is trusted, not recomputed.
+    Raises ValueError on tensors that cannot be compared (shape, dtype, device) or unknown encodings.
+    """
+    if base.shape != new.shape or base.dtype != new.dtype:
+        raise ValueError(f"delta {name}: base {tuple(base.shape)} {base.dtype} and new {tuple(new.shape)} {new.dtype} differ in shape or dtype")
+    unknown = [e for e in encodings if e not in ENCODINGS]
+    if unknown or not encodings:
+        raise ValueError(f"delta {name}: encodings must be a non-empty subset of {ENCODINGS}, got {list(encodings)}")
+    dtype = dtype_name(new)
+    return encode_bytes(tensor_bytes(base), tensor_bytes(new), name=name, dtype=dtype, shape=tuple(new.shape),
+                        base_version=base_version, checksum=checksum, encodings=encodings, level=level,
+                        base_checksum=base_checksum)
+
+
+def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, shape: tuple[int, ...], base_version: int,
+                 checksum: str = checksums.DEFAULT, encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL,
+                 base_checksum: int | None = None) -> DeltaTensor:
+    """``encode`` on the raw little-endian bytes (flat uint8 arrays) of a ``dtype`` tensor of ``shape``."""
+    import numpy as np
+
+    width = DTYPE_SIZES[dtype]
+    numel = math.prod(shape)
+    if base.nbytes != numel * width or new.nbytes != numel * width:
+        raise ValueError(f"delta {name}: {base.nbytes} and {new.nbytes} bytes for a {list(shape)} {dtype} tensor of {numel * width}")
+    fn = checksums.function(checksum)
+    old_bits = base.view(_uint(width))
+    new_bits = new.view(_uint(width))
+    diff = np.bitwise_xor(old_bits, new_bits)
+    positions = np.flatnonzero(diff != 0)  # through a bool mask: 4x faster than on the integers
+    changed = int(positions.size)
+
+    candidates: list[tuple[Encoding, Codec, bytes | None]] = []  # None: the dense bytes, copied only if chosen
+    patch = "sparse" if changed <= SPARSE_MAX_CHANGED * numel else "xor"
+    if patch not in encodings:
+        patch = "xor" if patch == "sparse" else "sparse"
+    if patch == "sparse" and "sparse" in encodings:
+        iw = index_width(numel)
+        gaps = np.empty(changed, dtype=_uint(iw))
+        if changed:
+            gaps[0] = positions[0]
+            np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
+        raw = np.concatenate([_planes(gaps, iw), _planes(diff[positions], width)])
+        candidates.append(_candidate("sparse", raw, level))
+    elif patch == "xor" and "xor" in encodings:
+        candidates.append(_candidate("xor", _planes(diff, width), level))
+    if "dense" in encodings:
+        best = min((_size(c[2], numel * width) for c in candidates), default=numel * width)
+        packed = _compress(_planes(new_bits, width), level) if best >= DENSE_TRY_ABOVE * numel * width else None
+        candidates.append(("dense", "none", None) if packed is None else ("dense", "zstd", packed))
+    encoding, codec, chosen = min(candidates, key=lambda c: _size(c[2], numel * width))
+    payload = new.tobytes() if chosen is None else chosen
+    spec = DeltaSpec(
+        name=name, dtype=dtype, shape=tuple(shape), encoding=encoding, codec=codec, base_version=base_version,
+        base_checksum=fn(base) if base_checksum is None else base_checksum, result_checksum=fn(new), checksum=checksum,
+        nbytes=len(payload), dense_nbytes=numel * width, changed=changed,
+    )
+    return DeltaTensor(spec, payload)
+
+
+def _size(payload: bytes | None, dense_nbytes: int) -> int:
+    return dense_nbytes if payload is None else len(payload)
+
+
+# ---- apply -------------------------------------------------------------------------------------
+
+
+def check_base(base: np.ndarray, spec: DeltaSpec) -> None:
+    """Refuse a base that is not the one ``spec`` was made against: ManifestError when its size differs,
+    WrongBase (naming the tensor and both checksums) when its checksum differs. Reads ``base`` (its
+    bytes, a flat uint8 array) only; a receiver may call it as soon as the manifest arrives, before any
+    payload."""
+    nbytes = base.nbytes
+    if nbytes != spec.dense_nbytes:
+        raise ManifestError(f"tensor {spec.name}: the base here is {nbytes} bytes, the delta's {list(spec.shape)} {spec.dtype} is {spec.dense_nbytes}")
+    actual = checksums.function(spec.checksum)(base)
+    if actual != spec.base_checksum:
+        raise WrongBase(
+            f"tensor {spec.name}: wrong base: the delta applies to version {spec.base_version} whose {spec.checksum} "
+            f"is {spec.base_checksum:#x}, the base here has {actual:#x}"
+        )
+
+
+def apply_bytes(base: np.ndarray, delta: DeltaTensor, out: np.ndarray) -> None:
+    """Write the result of ``delta`` on ``base`` into ``out`` (flat uint8 arrays of ``dense_nbytes``) and
+    verify it.
+
+    Contract, in order:
+      1. ``check_base``: ManifestError or WrongBase, ``out`` untouched.
+      2. the payload is decoded and checked (sizes, zstd frame, positions in range and increasing):
+         CorruptPatch, ``out`` untouched.
+      3. the result is written into ``out`` and its checksum compared with ``result_checksum``:
+         CorruptPatch, and ``out`` holds bytes that must not be used (the caller discards it: staged
+         updates apply into staging, which a failed update drops).
+    ``base`` is only read; ``out`` must not overlap it (ValueError).
+    """
+    import numpy as np
+
+    spec = delta.spec
+    if out.nbytes != spec.dense_nbytes:
+        raise ValueError(f"delta {spec.name}: out is {out.nbytes} bytes, the result is {spec.dense_nbytes}")
+    if np.may_share_memory(base, out):
+        raise ValueError(f"delta {spec.name}: out overlaps base; apply never writes into its base")
+    check_base(base, spec)
+    width, numel = spec.itemsize, spec.numel
+    raw = _decompress(spec, delta.payload)
+    out_bits = out.view(_uint(width))
+    base_bits = base.view(_uint(width))
+    if spec.encoding == "sparse":
+        positions, values = _sparse_decode(spec, raw)
+        out[:] = base
+        out_bits[positions] ^= values
+    elif spec.encoding == "xor":
+        diff = np.empty(numel, dtype=_uint(width))
+        _unplanes(raw, width, diff.view("u1"))
+        np.bitwise_xor(base_bits, diff, out=out_bits)
+    elif spec.codec == "none":
+        out[:] = raw
+    else:
+        _unplanes(raw, width, out)
+    actual = checksums.function(spec.checksum)(out)
+    if actual != spec.result_checksum:
+        raise CorruptPatch(
+            f"tensor {spec.name}: corrupt patch: the result's {spec.checksum} is {actual:#x}, the delta declares "
+            f"{spec.result_checksum:#x} (version {spec.base_version} + {spec.encoding} patch)"
+        )
+
+
+def _sparse_decode(spec: DeltaSpec, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (int64, strictly increasing, in range) and XOR values of a sparse payload; CorruptPatch
+    when the positions are not."""
+    import numpy as np
+
+    k, width, numel = spec.changed, spec.itemsize, spec.numel
+    iw = index_width(numel)
+    gaps = np.empty(k, dtype=_uint(iw))
+    _unplanes(raw[: k * iw], iw, gaps.view("u1"))
+    values = np.empty(k, dtype=_uint(width))
+    _unplanes(raw[k * iw :], width, values.view("u1"))
+    if k == 0:
+        return np.zeros(0, dtype=np.int64), values
+    # every gap below numel, so a cumulative sum that wrapped would decrease: increasing and the last in
+    # range means every position is distinct and inside the tensor
+    if int(gaps.max()) >= numel or (k > 1 and int(gaps[1:].min()) == 0):
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: sparse positions are not strictly increasing inside {numel} elements")
+    positions = np.cumsum(gaps, dtype=np.uint64)
+    if int(positions[-1]) >= numel or (k > 1 and not bool(np.all(positions[1:] > positions[:-1]))):
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: sparse positions run past {numel} elements")
+    return positions.astype(np.int64), values
+
+
+def apply(base: torch.Tensor, delta: DeltaTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor ``delta`` makes of ``base`` (CPU, the delta's dtype and shape), verified as a whole.
+
+    With ``out`` (a contiguous CPU tensor of the delta's dtype and shape, e.g. a view into staging) the
+    result is written there and ``out`` returned; else a new tensor. Errors and what they leave in ``out``:
+    see ``apply_bytes`` (a wrong base or an undecodable patch leaves it untouched, a result that fails its
+    checksum leaves it unusable). ``base`` is never written.
+    """
+    import torch
+
+    spec = delta.spec
+    if dtype_name(base) != spec.dtype or tuple(base.shape) != spec.shape:
+        raise ManifestError(f"tensor {spec.name}: the base here is {list(base.shape)} {dtype_name(base)}, the delta is for {list(spec.shape)} {spec.dtype}")
+    if out is None:
+        out = torch.empty(spec.shape, dtype=base.dtype)
+    elif out.dtype != base.dtype or tuple(out.shape) != spec.shape or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"delta {spec.name}: out must be a contiguous CPU {spec.dtype} tensor of shape {list(spec.shape)}")
+    apply_bytes(tensor_bytes(base), delta, out.reshape(-1).view(torch.uint8).numpy())
+    return out
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireChoice:
+    """What one tensor sends: its delta payload (``send`` "delta") or its dense bytes ("dense")."""
+
+    name: str
+    send: Literal["delta", "dense"]
+    nbytes: int
+    dense_nbytes: int
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """What an update puts on the wire and what a dense update would have: the delta telemetry.
+
+    ``mode`` "delta": tensors send their delta when it is smaller than their dense bytes (the update then
+    needs receivers that serve the base); "dense": the whole update goes dense (no base needed) because
+    the deltas would not have saved enough."""
+
+    mode: Literal["delta", "dense"]
+    choices: tuple[WireChoice, ...]
+    wire_bytes: int
+    dense_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Bytes on the wire per dense byte (1.0 for an empty update)."""
+        return self.wire_bytes / self.dense_bytes if self.dense_bytes else 1.0
+
+    @property
+    def delta_tensors(self) -> int:
+        return sum(1 for c in self.choices if c.send == "delta")
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": self.mode, "tensors": len(self.choices), "delta_tensors": self.delta_tensors,
+                "wire_bytes": self.wire_bytes, "dense_bytes": self.dense_bytes, "ratio": round(self.ratio, 6)}
+
+
+def plan_wire(entries: Sequence[tuple[str, int, int]], max_ratio: float = 1.0) -> WirePlan:
+    """Given ``(name, dense_nbytes, encoded_nbytes)`` per tensor, what goes on the wire.
+
+    Each tensor sends its delta when that is strictly smaller than its dense bytes, else its dense bytes.
+    If the resulting wire bytes exceed ``max_ratio`` of the dense total, the whole update goes dense (a
+    delta that saves little is not worth depending on the receivers' base). ValueError on negative sizes
+    or a ratio outside (0, 1].
+    """
+    if not 0 < max_ratio <= 1:
+        raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
+    choices: list[WireChoice] = []
+    for name, dense, encoded in entries:
+        if dense < 0 or encoded < 0:
+            raise ValueError(f"tensor {name}: negative size (dense {dense}, encoded {encoded})")
+        send: Literal["delta", "dense"] = "delta" if encoded < dense else "dense"
+        choices.append(WireChoice(name, send, encoded if send == "delta" else dense, dense))
+    dense_total = sum(c.dense_nbytes for c in choices)
+    wire_total = sum(c.nbytes for c in choices)
+    if dense_total and wire_total > max_ratio * dense_total:
+        return WirePlan("dense", tuple(WireChoice(c.name, "dense", c.dense_nbytes, c.dense_nbytes) for c in choices),
+                        dense_total, dense_total)
+    return WirePlan("delta", tuple(choices), wire_total, dense_total)
+
+
+def plan_deltas(deltas: Sequence[DeltaSpec], max_ratio: float = 1.0) -> WirePlan:
+    """``plan_wire`` over encoded tensors."""
+    return plan_wire([(d.name, d.dense_nbytes, d.nbytes) for d in deltas], max_ratio)
+
