@@ -88,7 +88,7 @@ def load_records(path: Path) -> list[Any]:
 
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from apps.dashboard.poller import NamedActorSource, Source
+    from apps.dashboard.poller import NamedActorSource, ReceiverSource, Source
     from apps.dashboard.service import DashboardService
     from apps.metrics import MetricsHub
 
@@ -105,6 +105,8 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
         ray.init(address=args.ray_address, namespace=args.ray_namespace, log_to_driver=False)
         sources = [NamedActorSource(name, args.ray_namespace) for name in args.actor]
+    for endpoint in args.vllm_serve or ():
+        sources.append(ReceiverSource(endpoint, curve_server_public=config.transport.curve_server_public))
     host = args.host or config.serve.host
     port = config.serve.port if args.port is None else args.port
     service = DashboardService(hub, host=host, port=port, sources=sources, poll_interval_s=args.poll_interval)
@@ -199,10 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "Serve the read-only dashboard (GET /), the JSON API (GET /api/records, /api/engines),\n"
                 "Prometheus metrics (GET /metrics) and a liveness check (GET /healthz).\n"
                 "Binds loopback unless --host says otherwise. Data comes from --records (a JSONL file)\n"
-                "and/or from named Ray actors (--actor), polled every --poll-interval seconds.",
+                "and/or from engines polled every --poll-interval seconds: named Ray actors (--actor) and\n"
+                "engines behind `vllm serve` with the weight_bridge backend (--vllm-serve), asked over the\n"
+                "receiver endpoint the trainer publishes to (no other port; CURVE keys from --config).",
                 epilog="examples:\n"
                        "  weight-bridge serve --port 8321 --records artifacts/records.jsonl\n"
                        "  weight-bridge serve --host 0.0.0.0 --port 8321 --ray-address auto --actor engine-0\n"
+                       "  weight-bridge serve --vllm-serve gpu-node-1:47310   # host:base_port of a vllm serve engine\n"
                        "then open http://127.0.0.1:8321/ or scrape http://127.0.0.1:8321/metrics")
     serve.add_argument("--port", type=int, help="TCP port (default: serve.port of the config, 8321; 0 = any free)")
     serve.add_argument("--host", help="address to bind (default: serve.host of the config, 127.0.0.1)")
@@ -210,11 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE.yaml", help="config file (default: configs/default.yaml)")
     serve.add_argument("--actor", action="append", metavar="NAME",
                        help="name of a Ray InferenceActor to poll for status and records (repeat for several)")
+    serve.add_argument("--vllm-serve", action="append", metavar="HOST:PORT",
+                       help="an engine behind `vllm serve` (weight_bridge backend): its TP rank 0 receiver, "
+                            "host:base_port or tcp://host:port as the trainer's WeightBridgeInitInfo names it "
+                            "(any weight-bridge receiver answers too; repeat for several)")
     serve.add_argument("--ray-address", default="auto", metavar="ADDRESS", help="Ray cluster to join with --actor (default: auto)")
     serve.add_argument("--ray-namespace", default="weight-bridge", metavar="NAMESPACE",
                        help="Ray namespace of the --actor names (default: weight-bridge)")
     serve.add_argument("--poll-interval", type=float, default=1.0, metavar="SECONDS",
-                       help="seconds between polls of the actors (default: 1)")
+                       help="seconds between polls of the engines (default: 1)")
 
     health = add("health", cmd_health, "check a running dashboard: one line per engine, exit 1 if any is unhealthy",
                  "Ask a running `weight-bridge serve` (GET /healthz and /api/engines) how its engines are.\n"

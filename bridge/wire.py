@@ -321,7 +321,28 @@ class Ack:
     type: str = field(default="ack", init=False)
 
 
-Message = Hello | EngineInfo | Begin | BucketHeader | LinkOffer | End | Abort | Credit | Heartbeat | Ack
+@dataclass(frozen=True)
+class StatusRequest:
+    """An operator's question to a receiver (the dashboard's poll): the engine's status and its sync records
+    newer than ``since`` (a ``SyncRecord.timestamp``; 0: all it keeps). Answered with a ``StatusReply`` on the
+    receiver's socket thread, also while an update runs; it opens no session."""
+
+    since: float = 0.0
+    type: str = field(default="status?", init=False)
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """The answer to ``StatusRequest``: ``status`` as ``InferenceServer.status()`` shapes it (``engine``,
+    ``version``, ``tp_size``, ``dtype``, ``sessions`` ...) and ``records``, ``SyncRecord.to_dict()`` maps."""
+
+    status: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    type: str = field(default="status", init=False)
+
+
+Message = (Hello | EngineInfo | Begin | BucketHeader | LinkOffer | End | Abort | Credit | Heartbeat | Ack | StatusRequest
+           | StatusReply)
 
 
 def encode(msg: Message) -> bytes:
@@ -417,6 +438,14 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
                 report=report,
                 kind=_str(raw.get("kind", ""), "kind", 32),
             )
+        if kind == "status?":
+            return StatusRequest(since=_float(raw.get("since", 0.0), "status?.since"))
+        if kind == "status":
+            status, records = raw.get("status"), raw.get("records", [])
+            _require(isinstance(status, dict), "status.status must be a map")
+            _require(isinstance(records, list) and all(isinstance(r, dict) for r in records),  # type: ignore[union-attr]
+                     "status.records must be a list of maps")
+            return StatusReply(status=status, records=records)  # type: ignore[arg-type]
     except (TypeError, KeyError, AttributeError) as exc:
         raise WireError(f"malformed {kind} message: {exc}") from exc
     raise WireError(f"unknown message type {_brief(kind)}")

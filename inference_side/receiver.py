@@ -36,14 +36,20 @@ from inference_side.verify import verify_bucket
 logger = logging.getLogger(__name__)
 
 
+StatusProvider = Callable[[float], tuple[dict[str, Any], list[dict[str, Any]]]]
+
+
 class SyncReceiver:
     def __init__(self, gate: EngineGate, config: BridgeConfig, on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 port: int = 0) -> None:
-        """A receiver for ``gate``; ``start`` binds ``transport.bind_host`` on ``port`` (0: any free port)."""
+                 port: int = 0, status: StatusProvider | None = None) -> None:
+        """A receiver for ``gate``; ``start`` binds ``transport.bind_host`` on ``port`` (0: any free port).
+        ``status(since)`` answers an operator's ``StatusRequest`` (the engine's status dict and its sync
+        records newer than ``since``); without it the answer is built from ``gate.info()``."""
         self.gate = gate
         self.port = port
         self.config = config
         self.on_event = on_event or (lambda kind, data: None)
+        self.status = status
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-apply")
@@ -251,6 +257,8 @@ class SyncReceiver:
             self._bucket(sock, identity, msg, frames[2:])
         elif isinstance(msg, wire.End):
             self._end(sock, identity, msg)
+        elif isinstance(msg, wire.StatusRequest):
+            sock.send_multipart([identity, self._status_reply(msg.since)])
         elif isinstance(msg, wire.Abort):
             if session is not None and session.pending is None:
                 self._sessions.pop(identity).close(msg.reason or "aborted by the publisher")
@@ -262,6 +270,22 @@ class SyncReceiver:
                 self.on_event("conflict", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.CONFLICT.value})
         else:
             self._fail(sock, identity, 0, FailureKind.WIRE, f"unexpected message {msg.type!r} from a publisher")
+
+    def _status_reply(self, since: float) -> bytes:
+        """What the engine behind this receiver reports to an operator, encoded (on the socket thread: no
+        engine call that could wait on an update)."""
+        try:
+            if self.status is not None:
+                status, records = self.status(since)
+                return wire.encode(wire.StatusReply(status=dict(status), records=list(records)))
+            info = self.gate.info()
+            return wire.encode(wire.StatusReply(status={
+                "engine": f"{info.host}:{self.endpoint.rsplit(':', 1)[-1]}", "endpoint": self.endpoint,
+                "version": info.version, "tp_size": info.tp_size, "dtype": info.dtype, "degraded": None,
+                "sessions": self.summary()}))
+        except Exception as exc:  # noqa: BLE001 - the asker learns why; the receiver keeps running
+            logger.warning("status request failed: %s", describe(exc))
+            return wire.encode(wire.StatusReply(status={"error": describe(exc)}))
 
     def _late(self, session: Session | None, identity: bytes, version: int, what: str) -> bool:
         """A bucket or End the publisher sent before it heard this update was refused: drop it quietly,

@@ -15,7 +15,6 @@ import math
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,11 +25,11 @@ from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
 from bridge.errors import BridgeError, ConfigError, DeadlineExceeded
-from bridge.records import SyncRecord
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
 from inference_side.contract import EngineGate, StagedBucket
+from inference_side.ledger import Ledger, sync_record
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
 
@@ -96,13 +95,14 @@ class InferenceServer(EngineGate):
         self._version = 0
         self._generated = 0  # sequences generated (rollouts served) since start
         self._degraded: str | None = None
-        self._records: deque[SyncRecord] = deque(maxlen=self.config.serve.history)
+        self._ledger = Ledger(self.name, self.config.serve.history)
         self._host_copy: Any = None
         if self.config.sync.host_copy:
             from inference_side.host_copy import HostCopy
 
             self._host_copy = HostCopy(self.model_path, self.dtype)
-        self.receiver = SyncReceiver(self, self.config, on_event=self._on_event)
+        self.receiver = SyncReceiver(self, self.config, on_event=self._on_event,
+                                     status=lambda since: (self.status(), self._ledger.dicts(since)))
         self._endpoint = self.receiver.start()
         logger.info("%s serving %s at %s", self.name, self.model_path, self._endpoint)
 
@@ -138,7 +138,7 @@ class InferenceServer(EngineGate):
         }
 
     def records(self) -> list[dict[str, Any]]:
-        return [r.to_dict() for r in self._records]
+        return self._ledger.dicts()
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, logprobs: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> list[dict[str, Any]]:
@@ -279,9 +279,8 @@ class InferenceServer(EngineGate):
             if update is None or update.manifest.version != manifest.version:
                 return
             reason = self._close(update, (FailureKind.ABORTED, reason))
-            self._records.append(SyncRecord(version=manifest.version, engine=self.name, ok=False,
-                                            reason=f"{'streaming ' if self.config.sync.mode == 'streaming' else ''}update aborted: "
-                                                   f"{reason}", kind=FailureKind.ABORTED.value))
+            self._ledger.failed(manifest.version, FailureKind.ABORTED,
+                                f"{'streaming ' if self.config.sync.mode == 'streaming' else ''}update aborted: {reason}")
 
     # ---- one update: internals -----------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[RankReport]:
@@ -389,30 +388,10 @@ class InferenceServer(EngineGate):
     def _record(self, manifest: wire.Manifest, ok: bool, reason: str, extra: dict[str, float],
                 timings: dict[str, float], ranks: list[RankReport], probe: dict[str, Any] | None = None,
                 kind: FailureKind | None = None) -> ApplyResult:
-        seconds = dict(timings)
-        seconds.update(extra)
-        for phase in ("load", "finalize", "verify"):
-            vals = [r.seconds.get(phase, 0.0) for r in ranks if r.ok and phase in r.seconds]
-            if vals:
-                seconds[phase] = max(vals)
-        # The engine's wall time of the whole sync, manifest in -> applied: what GB/s and the charts use.
-        seconds.setdefault("total", seconds.get("stream_total", seconds.get("transfer", 0.0) + seconds.get("apply", 0.0)))
-        record = SyncRecord(
-            version=manifest.version, engine=self.name, ok=ok, reason=reason, kind=kind.value if kind else "",
-            bytes=manifest.total_bytes, tensors=len(manifest.tensors), seconds=seconds,
-            tensors_audited=sum(r.tensors for r in ranks if r.ok),
-            stale_tensors=tuple(s for r in ranks for s in r.stale),
-            identity_violations=tuple(v for r in ranks for v in r.identity_violations),
-            routed_sinks=max((len(r.routed_sinks) for r in ranks), default=0),
-            routed_bypass=max((len(r.routed_bypass) for r in ranks), default=0),
-            transport=manifest.transport,
-            **(probe or {}),
-        )
-        self._records.append(record)
+        record = sync_record(self.name, manifest, ok, reason, timings, ranks, extra=extra, kind=kind, probe=probe)
+        self._ledger.add(record)
         return ApplyResult(ok, reason, kind, record.to_dict() | {"ranks": [r.to_dict() for r in ranks]})
 
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
         """The receiver's refusals, deadlines, aborts and conflicts become failed records."""
-        if event in ("refused", "timeout", "aborted", "conflict"):
-            self._records.append(SyncRecord(version=int(data.get("version", 0)), engine=self.name, ok=False,
-                                            reason=f"{event}: {data.get('reason', '')}", kind=str(data.get("kind", ""))))
+        self._ledger.event(event, data)

@@ -46,6 +46,7 @@ from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, firs
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
 from inference_side.contract import EngineGate, StagedBucket
+from inference_side.ledger import Ledger, RecordingGate
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
 from inference_side.worker_ext import WeightSyncWorker
@@ -69,6 +70,16 @@ class WeightBridgeUpdateInfo(WeightTransferUpdateInfo):
 
     version: int = 0
     timeout_s: float = 600.0
+
+
+def engine_name(endpoint: str, tp_rank: int, base_port: int = 0) -> str:
+    """A stable name for the engine whose TP rank ``tp_rank`` listens on ``endpoint`` (``tcp://host:port``):
+    ``vllm@host:base_port`` (TP rank 0's receiver, where the dashboard polls it), ``/tpN`` added on other
+    ranks; the host as others reach it (this host's name for a wildcard bind)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if host in ("0.0.0.0", "*", "::", "[::]", ""):
+        host = socket.gethostname()
+    return f"vllm@{host}:{base_port or port}" + (f"/tp{tp_rank}" if tp_rank else "")
 
 
 class _ModelWorker(WeightSyncWorker):
@@ -137,6 +148,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self._calls: queue.Queue[_Call] = queue.Queue()
         self.last_failure: tuple[FailureKind, str] | None = None  # why the last update was not applied
         self._wait_s = 60.0
+        self.ledger = Ledger(f"vllm-tp{self.tp_rank}@{socket.gethostname()}")  # named after the receiver once it listens
+        self.model_path = str(vllm_config.model_config.model)
 
     # ---- vLLM's calls ------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightBridgeInitInfo) -> None:
@@ -146,8 +159,10 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                                                                   "bind_host": init_info.bind_host}})
         self._wait_s = cfg.deadlines.bucket_s
         port = init_info.base_port + self.tp_rank if init_info.base_port else 0
-        self.receiver = SyncReceiver(_RpcGate(self), cfg, on_event=self._on_event, port=port)
+        gate = RecordingGate(_RpcGate(self), self.ledger, streaming=cfg.sync.mode == "streaming")
+        self.receiver = SyncReceiver(gate, cfg, on_event=self._on_event, port=port, status=self.status_report)
         endpoint = self.receiver.start()
+        self.ledger.engine = engine_name(endpoint, self.tp_rank, init_info.base_port)
         logger.info("weight_bridge: TP rank %d takes updates at %s", self.tp_rank, endpoint)
 
     def start_weight_update(self) -> None:
@@ -164,6 +179,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             try:
                 call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
             except queue.Empty:
+                self.ledger.failed(update_info.version, FailureKind.TIMEOUT,
+                                   f"version {update_info.version} did not arrive within {update_info.timeout_s}s")
                 self._failed(update_info.version, FailureKind.TIMEOUT,
                              f"DeadlineExceeded: version {update_info.version} did not arrive within {update_info.timeout_s}s")
                 return
@@ -214,8 +231,29 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             return ApplyResult(False, why, FailureKind.TIMEOUT)
         return None
 
+    # ---- operations: what the dashboard polls over the receiver's endpoint (wire.StatusRequest) -------------
+    def status(self) -> dict[str, Any]:
+        """This engine as ``InferenceServer.status()`` shapes it (the dashboard's engine row)."""
+        rx = self.receiver
+        return {
+            "engine": self.ledger.engine, "endpoint": rx.endpoint if rx else "", "ipc_endpoint": rx.ipc_endpoint if rx else "",
+            "version": self.version, "degraded": None, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
+            "dtype": self.dtype, "model": self.model_path, "backend": "weight_bridge (vLLM weight transfer)",
+            "sessions": rx.summary() if rx else [],
+            "last_failure": None if self.last_failure is None else {"kind": self.last_failure[0].value,
+                                                                    "reason": self.last_failure[1]},
+            "cores": {"receiver": rx.cores() if rx else []},
+        }
+
+    def records(self) -> list[dict[str, Any]]:
+        return self.ledger.dicts()
+
+    def status_report(self, since: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return self.status(), self.ledger.dicts(since)
+
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
         """The receiver refused an update before the engine saw it: end the RPC waiting for it."""
+        self.ledger.event(event, data)
         if event in ("refused", "timeout"):
             self._calls.put(_Call("refused", data.get("kind", ""), str(data.get("reason", "")), int(data.get("version", 0))))
 

@@ -24,7 +24,8 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("command", "mentions"), [
-    ("serve", ["--port", "--host", "--records", "--config", "--actor", "/metrics", "/api/records", "/api/engines"]),
+    ("serve", ["--port", "--host", "--records", "--config", "--actor", "--vllm-serve", "/metrics", "/api/records",
+               "/api/engines"]),
     ("health", ["--url", "--timeout", "Exit status", "DEGRADED", "UNREACHABLE"]),
     ("demo", ["apps.demo", "every option", "weight-bridge demo"]),
     ("bench", ["bench/run.py", "every option", "weight-bridge bench"]),

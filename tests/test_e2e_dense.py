@@ -281,3 +281,22 @@ def _last_record(actor: Any, cond: Any, timeout: float = 10.0) -> dict[str, Any]
         if cond(record) or time.monotonic() > end:
             return record
         time.sleep(0.1)
+
+
+def test_operators_poll_the_engine_over_its_receiver(dense: Any) -> None:
+    """The dashboard's ReceiverSource asks the receiver itself (no Ray): the actor's status and records."""
+    import ray
+
+    from apps.dashboard import ReceiverSource
+
+    if dense["tp"] != 1:
+        pytest.skip("answered by the receiver, the same at every TP size")
+    actor = dense["actor"]
+    source = ReceiverSource(ray.get(actor.endpoint.remote()), timeout_s=30)
+    try:
+        status, records = source()
+    finally:
+        source.close()
+    want = ray.get(actor.status.remote())
+    assert (status["engine"], status["version"], status["tp_size"]) == (want["engine"], want["version"], 1)
+    assert records == ray.get(actor.records.remote())

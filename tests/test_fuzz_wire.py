@@ -55,6 +55,8 @@ SAMPLES: list[wire.Message] = [
     wire.Credit(version=5, n=2),
     wire.Heartbeat(version=5, phase="apply"),
     wire.Ack(version=5, ok=True, reason="", report={"bytes": 10, "t": [1.5, None]}),
+    wire.StatusRequest(since=12.5),
+    wire.StatusReply(status={"engine": "e", "version": 5}, records=[{"version": 5, "ok": False, "kind": "nonfinite"}]),
 ]
 ENCODED = [wire.encode(m) for m in SAMPLES]
 
@@ -114,8 +116,9 @@ VALUES = st.recursive(
     max_leaves=15,
 )
 FIELDS = ["type", "protocol", "publisher", "version", "tensors", "bucket_sizes", "manifest", "probe", "dtype", "tp_size",
-          "transports", "host", "index", "checksums", "segment", "reason", "n", "phase", "ok", "report", "sequences", "logprobs"]
-TYPES = st.sampled_from(["hello", "info", "begin", "bucket", "end", "abort", "credit", "ping", "ack", "other"])
+          "transports", "host", "index", "checksums", "segment", "reason", "n", "phase", "ok", "report", "sequences", "logprobs", "since", "status", "records"]
+TYPES = st.sampled_from(["hello", "info", "begin", "bucket", "end", "abort", "credit", "ping", "ack", "status?", "status",
+                         "other"])
 
 
 @FUZZ

@@ -47,6 +47,11 @@ ROUND_TRIP = [
     wire.Heartbeat(version=3, phase="apply"),
     wire.Ack(version=3, ok=True, reason="", report={"bytes": 123, "timings": {"apply": 0.5}, "names": ["a"]}),
     wire.Ack(version=3, ok=False, reason="ChecksumError: tensor x"),
+    wire.StatusRequest(),
+    wire.StatusRequest(since=1700000000.25),
+    wire.StatusReply(status={"engine": "vllm@h:1", "version": 2, "degraded": None, "sessions": []},
+                     records=[{"version": 2, "ok": True, "seconds": {"total": 0.5}, "stale_tensors": []}]),
+    wire.StatusReply(status={"error": "boom"}),
 ]
 
 

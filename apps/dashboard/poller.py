@@ -1,8 +1,9 @@
 """Pull engines' status and sync records into a ``MetricsHub``.
 
 A source is any callable returning ``(status_dict, list_of_record_dicts)``: a local ``InferenceServer``
-(``server_source``), a Ray actor (``ray_source``) or a stub in tests. Engines return their whole recent
-history on every call, so records are deduplicated by ``(engine, version, timestamp)``.
+(``server_source``), a Ray actor (``ray_source``, ``NamedActorSource``), any weight-bridge receiver asked
+over its own endpoint (``ReceiverSource``: engines behind ``vllm serve``, on any host) or a stub in tests.
+Engines return their recent history, so records are deduplicated by ``(engine, version, timestamp)``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from apps.metrics import MetricsHub
+from bridge.errors import BridgeError
 from bridge.records import SyncRecord
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,65 @@ class NamedActorSource:
             self._handle = None  # look the actor up again next time: it may have been restarted
             raise
         return status, records
+
+
+class ReceiverSource:
+    """A source over a weight-bridge receiver's own endpoint (``tcp://host:port``; ``host:port`` is taken as
+    tcp): a ``StatusRequest`` answered by the receiver's socket thread with the engine's status and records,
+    also while an update runs. For an engine behind ``vllm serve`` (the ``weight_bridge`` backend) that is TP
+    rank 0's receiver, ``host:base_port``; no port or route beyond the one the trainer publishes to. Later
+    polls ask only for records newer than the last seen (less a margin; the poller drops repeats).
+    ``curve_server_public``: the receivers' CURVE key when they require it (``transport.curve_server_public``)."""
+
+    OVERLAP_S = 30.0  # records are stamped when made and kept in the order they end: ask again a little earlier
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, curve_server_public: str = "",
+                 max_reply_bytes: int = 256 << 20) -> None:
+        self.endpoint = endpoint if "://" in endpoint else f"tcp://{endpoint}"
+        self.name = self.endpoint  # until the engine names itself (the poller's label for an outage)
+        self.timeout_s = timeout_s
+        self.curve_server_public = curve_server_public
+        self.max_reply_bytes = max_reply_bytes
+        self._since = 0.0
+        self._sock: Any = None
+
+    def _socket(self) -> Any:
+        import zmq
+
+        if self._sock is None:
+            sock: Any = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if self.curve_server_public:
+                public, secret = zmq.curve_keypair()
+                sock.curve_serverkey = self.curve_server_public.encode()
+                sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def __call__(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        from bridge import wire
+
+        sock = self._socket()
+        sock.send(wire.encode(wire.StatusRequest(since=self._since)))
+        if not sock.poll(int(self.timeout_s * 1000)):
+            self.close()  # a late answer must not be read as the next poll's
+            raise TimeoutError(f"no status from {self.endpoint} within {self.timeout_s}s")
+        reply = wire.decode(sock.recv(), max_bytes=self.max_reply_bytes)
+        if not isinstance(reply, wire.StatusReply):
+            raise BridgeError(f"{self.endpoint} answered a status request with {reply.type!r}")
+        if "engine" not in reply.status:
+            raise BridgeError(f"{self.endpoint} could not report its status: {reply.status.get('error', reply.status)}")
+        self.name = str(reply.status["engine"])
+        stamps = [float(r["timestamp"]) for r in reply.records if isinstance(r.get("timestamp"), int | float)]
+        if stamps:
+            self._since = max(self._since, max(stamps) - self.OVERLAP_S)
+        return dict(reply.status), list(reply.records)
 
 
 class Poller:
