@@ -8,10 +8,12 @@ staged buckets."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bridge import wire
+from bridge.report import RankReport, first_failure
 from bridge.shm import Segment
 from inference_side.contract import StagedBucket
 
@@ -58,3 +60,20 @@ class HostCopy:
                 out[spec.offset:spec.offset + spec.nbytes].copy_(value.view(-1).view(torch.uint8))
         del out
         return StagedBucket(0, segment, specs)
+
+
+def restore(copy: HostCopy, manifest: wire.Manifest, step: Callable[..., list[RankReport]],
+            router_options: dict[str, bool]) -> tuple[str, str] | None:
+    """Reload the host copy of every tensor of ``manifest`` (the failed update) through ``step``, the engine's
+    lifecycle call on its ranks (``step("wb_begin", names, options)`` ... one report per rank): begin, load,
+    finish, or abort if a step failed. None when restored, else the failure (kind value, reason)."""
+    bucket = copy.bucket(manifest)
+    try:
+        reports = step("wb_begin", [s.name for s in bucket.specs], router_options)
+        if all(r.ok for r in reports):
+            reports += step("wb_load", bucket.payload())
+        reports += step("wb_finish" if all(r.ok for r in reports) else "wb_abort")
+    finally:
+        bucket.segment.close()
+    failed = first_failure(reports)
+    return None if failed is None else (failed[0].value, failed[1])

@@ -337,15 +337,9 @@ class InferenceServer(EngineGate):
 
     def _restore(self, manifest: wire.Manifest) -> bool:
         """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
-        bucket = self._host_copy.bucket(manifest)
-        try:
-            reports = self._rpc("wb_begin", [s.name for s in bucket.specs], self.config.router.worker_options())
-            if all(r.ok for r in reports):
-                reports += self._rpc("wb_load", bucket.payload())
-            reports += self._rpc("wb_finish" if all(r.ok for r in reports) else "wb_abort")
-        finally:
-            bucket.segment.close()
-        failed = first_failure(reports)
+        from inference_side.host_copy import restore
+
+        failed = restore(self._host_copy, manifest, self._rpc, self.config.router.worker_options())
         if failed is not None:
             logger.error("%s: restoring the host copy failed: %s", self.name, failed[1])
             return False

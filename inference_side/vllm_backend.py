@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import config_from_dict
-from bridge.errors import BridgeError, UpdateFailed
+from bridge.errors import BridgeError, ConfigError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure, parse_kind
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
@@ -148,6 +148,11 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self._calls: queue.Queue[_Call] = queue.Queue()
         self.last_failure: tuple[FailureKind, str] | None = None  # why the last update was not applied
         self._wait_s = 60.0
+        self._failure: tuple[FailureKind, str] | None = None  # the open update's first failure on this rank
+        self._open: wire.Manifest | None = None  # the update whose reload is open on this worker (wb_begin .. end)
+        self._loaded = False  # a bucket of it reached the model
+        self._buckets: list[StagedBucket] = []  # its buckets, for the host copy
+        self.host_copy: Any = None  # sync.host_copy: this worker's copy of the served weights (a full model)
         self.ledger = Ledger(f"vllm-tp{self.tp_rank}@{socket.gethostname()}")  # named after the receiver once it listens
         self.model_path = str(vllm_config.model_config.model)
 
@@ -158,6 +163,13 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         cfg = config_from_dict({**init_info.config, "transport": {**init_info.config.get("transport", {}),
                                                                   "bind_host": init_info.bind_host}})
         self._wait_s = cfg.deadlines.bucket_s
+        if cfg.sync.host_copy and self.host_copy is None:
+            if self.version != 0:
+                raise ConfigError(f"weight_bridge: sync.host_copy must be on from the first update: the copy starts "
+                                  f"from the checkpoint and this engine serves version {self.version} already")
+            from inference_side.host_copy import HostCopy
+
+            self.host_copy = HostCopy(self.model_path, self.dtype)  # kept from then on: it follows every update
         port = init_info.base_port + self.tp_rank if init_info.base_port else 0
         gate = RecordingGate(_RpcGate(self), self.ledger, streaming=cfg.sync.mode == "streaming")
         self.receiver = SyncReceiver(gate, cfg, on_event=self._on_event, port=port, status=self.status_report)
@@ -166,7 +178,20 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         logger.info("weight_bridge: TP rank %d takes updates at %s", self.tp_rank, endpoint)
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the reload opens with the update's first lifecycle call (``wb_begin``)."""
+        """A new update session: calls left from an earlier update (the receiver ended it after its RPC had
+        returned) are answered and dropped. The reload opens with the update's first lifecycle call."""
+        while True:
+            try:
+                stale = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if stale.name in ("load", "finish"):
+                why = "the update this call belongs to had already ended"
+                stale.answer(LoadResult(why, FailureKind.ABORTED) if stale.name == "load"
+                             else ApplyResult(False, why, FailureKind.ABORTED))
+            else:
+                stale.answer(None)
+        self._close_reload(None)
 
     def receive_weights(self, update_info: WeightBridgeUpdateInfo) -> None:
         """Serve the receiver's lifecycle calls for version ``update_info.version`` until it finished or failed.
@@ -206,6 +231,13 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         if self.receiver is not None:
             self.receiver.stop()
             self.receiver = None
+
+    def adopt(self, worker: WeightSyncWorker) -> None:
+        """Make the update calls on ``worker``, the vLLM worker whose extension (``worker_extension_cls``, a
+        ``WeightSyncWorker``) ran ``wb_setup``: its state and a deployment's subclass apply. Without one the
+        engine uses a worker of its own over the same model."""
+        if self._open is None:
+            self.worker = worker
 
     # ---- a host-side gate's calls (InferenceActor): one lifecycle step, see run_step ----------------------
     def step(self, name: str, *args: Any) -> RankReport:
@@ -263,20 +295,25 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             kind, reason, refused = call.args
             if refused not in (0, version):
                 return None
-            failure = self._agree((parse_kind(kind) or FailureKind.OTHER, reason))
-            return failure or (FailureKind.OTHER, reason)
+            agreed = self._agree((parse_kind(kind) or FailureKind.OTHER, reason)) or (FailureKind.OTHER, reason)
+            return agreed[0], self._close_reload(agreed[1])
         manifest = call.args[0]
         if call.name == "begin":
-            self._manifest, self._failure = manifest, None
+            self._failure = None
             if manifest.version != version:
                 self._failure = (FailureKind.VERSION, f"VersionError: the trainer announced version {version}, "
                                                       f"the publisher sent {manifest.version}")
             else:
+                self._close_reload(None)
+                self._open, self._loaded, self._buckets = manifest, False, []
                 self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._router_options()))
             call.answer(None)
             return None
         if call.name == "load":
             if self._failure is None:
+                self._loaded = True
+                if self.host_copy is not None:
+                    self._buckets.append(call.args[1])
                 loaded = RankReport.coerce(self.worker.wb_load(call.args[1].payload()))
                 self._note(loaded)
                 held = frozenset(loaded.held)
@@ -295,22 +332,53 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 # a rank whose finish failed (audit, identity) fails the update on every rank: no rank takes the
                 # version (the ranks that finished hold the new weights: see docs/guarantees.md on this mode)
                 self._failure = self._agree(self._failure)
-            else:
-                self.worker.wb_abort()
             if self._failure is None:
+                self._open = None
+                if self.host_copy is not None:
+                    self.host_copy.keep(self._buckets)
+                self._buckets = []
                 self.version = manifest.version
                 report = {"tensors_audited": sum(r.tensors for r in ranks), "ranks": [r.to_dict() for r in ranks],
                           "seconds": dict(call.args[1])}
                 call.answer(ApplyResult(True, report=report))
                 return None, ""
             kind, reason = self._failure
+            reason = self._close_reload(reason)
             call.answer(ApplyResult(False, reason, kind, {"ranks": [r.to_dict() for r in ranks]}))
             return kind, reason
         # abort
         self._agree((FailureKind.ABORTED, str(call.args[1])))
-        self.worker.wb_abort()
+        reason = self._close_reload(f"update aborted: {call.args[1]}")
         call.answer(None)
-        return FailureKind.ABORTED, f"update aborted: {call.args[1]}"
+        return FailureKind.ABORTED, reason
+
+    def _close_reload(self, reason: str | None) -> str:
+        """End this worker's open reload of a failed update (kernel tensors back in place); if a bucket had
+        reached the model, reload the served weights from the host copy. Returns ``reason`` with what became
+        of the served weights."""
+        manifest, loaded = self._open, self._loaded
+        self._open, self._loaded, buckets, self._buckets = None, False, self._buckets, []
+        del buckets
+        reason = reason or ""
+        if manifest is None:
+            return reason
+        self.worker.wb_abort()
+        if not loaded:
+            return reason
+        if self.host_copy is None:
+            logger.warning("weight_bridge: TP rank %d holds part of version %s (no host copy, sync.host_copy)",
+                           self.tp_rank, manifest.version)
+            return reason + f" (TP rank {self.tp_rank} holds part of version {manifest.version}: no host copy)"
+        from inference_side.host_copy import restore
+
+        def step(name: str, *args: Any) -> list[RankReport]:
+            return [RankReport.coerce(getattr(self.worker, name)(*args))]
+
+        failed = restore(self.host_copy, manifest, step, self._router_options())
+        if failed is not None:
+            logger.error("weight_bridge: TP rank %d: restoring the host copy failed: %s", self.tp_rank, failed[1])
+            return reason + f" (restoring the host copy failed on TP rank {self.tp_rank}: {failed[1]})"
+        return reason + f" (rolled back from the host copy: TP rank {self.tp_rank} serves version {self.version})"
 
     def _router_options(self) -> dict[str, bool]:
         return self.receiver.config.router.worker_options() if self.receiver is not None else {}
@@ -357,5 +425,5 @@ def run_step(worker: Any, name: str, *args: Any) -> RankReport:
         return RankReport(engine.tp_rank, ok=False, kind=FailureKind.WIRE,
                           error=f"wb_{name} outside a weight update: start_weight_update was not called")
     if isinstance(real, WeightSyncWorker) and engine.worker is not real:
-        engine.worker = real
+        engine.adopt(real)
     return engine.step(name, *args)

@@ -54,7 +54,8 @@ class WeightSyncWorker:
 
     def wb_setup(self) -> dict[str, Any]:
         """Find checkpoint-backed sink parameters, register the common TP sink loader on them,
-        set padded heads to -inf, bind each to the attention backend object that reads it."""
+        set padded heads to -inf, bind each to the attention backend object that reads it. A weight_bridge
+        backend engine in this worker then makes its update calls on this worker (its extension class)."""
         import torch
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -94,6 +95,9 @@ class WeightSyncWorker:
                 impl = next((impl for apath, impl in attn_impls.items() if apath.startswith(module_path + ".")), None)
                 state.sinks[path] = SinkBinding(path, ckpt_name, entry.shape[0], impl)
         self._wb_state = state
+        engine = getattr(self, "weight_transfer_engine", None)  # the weight_bridge backend: it takes this worker's calls
+        if engine is not None and hasattr(engine, "adopt"):
+            engine.adopt(self)
         return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks), "unrouted_sinks": sorted(unrouted),
                 "pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0))}
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.fault_worker import FAULT_WORKER
 from tests.helpers import PROMPTS, ROOT, assert_same_outputs, child_env, free_port, oracle
 
 pytestmark = pytest.mark.engine
@@ -46,7 +47,7 @@ def server(request: Any, tmp_path_factory: Any) -> Any:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
          "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
-         "--tensor-parallel-size", str(tp), "--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
+         "--tensor-parallel-size", str(tp), "--enable-scale-out", "--worker-extension-cls", FAULT_WORKER, "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 420
@@ -83,6 +84,46 @@ def _complete(server: Any, prompts: list[list[int]] = PROMPTS) -> list[dict[str,
     return out
 
 
+def test_failure_after_loading_began_rolls_back_from_the_host_copy(server: Any) -> None:
+    """With ``sync.host_copy`` each worker keeps the served weights; an update that fails after loading began (a
+    worker raising inside ``load_weights``, armed through vLLM's dev route ``/collective_rpc`` on the test's worker
+    extension) is rolled back on every rank: the server answers the failure, keeps its version and serves exactly
+    what it served before; the next update applies. Runs first on each server: the copy starts from the checkpoint."""
+    import requests
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from bridge.errors import UpdateFailed
+    from bridge.report import FailureKind
+    from devtools.tiny_models import build_model
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    url, kind, tp = server["url"], server["kind"], server["tp"]
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp,
+                             config={"sync": {"host_copy": True}}),
+        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(build_model(kind, seed=7)))
+    trainer.send_weights()  # version 1: the copy follows it
+    served = _complete(server)
+    fail_at = "model.layers.1.input_layernorm.weight"  # layer 0 is loaded by then
+    for method, args in (("wb_setup", []), ("wb_arm_failure", [fail_at])):  # the extension takes the backend's calls
+        r = requests.post(f"{url}/collective_rpc", json={"method": method, "args": args}, timeout=120)
+        assert r.status_code == 200, r.text
+    trainer.source = ModuleSource(build_model(kind, seed=8))
+    with pytest.raises(UpdateFailed) as info:
+        trainer.send_weights()
+    assert FailureKind.LOAD in info.value.kinds.values(), (info.value.kinds, str(info.value))
+    answered = info.value.reasons["update_weights"]
+    assert answered.startswith("HTTP 5") and fail_at in answered and "rolled back from the host copy" in answered, answered
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "1"
+    assert_same_outputs(_complete(server), served)  # exactly version 1 again, on every rank
+    trainer.send_weights(version=2)  # the fault fired once; the next update goes in
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "2"
+    assert _complete(server) != served
+    trainer.shutdown()
+
+
 def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tmp_path: Path) -> None:
     import requests
     import torch
@@ -97,8 +138,10 @@ def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tm
 
     kind, tp = server["kind"], server["tp"]
     client = HTTPVLLMWeightSyncClient(server["url"])
+    served_before = requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"]
+    first = int(served_before) + 1 if served_before.isdigit() else 1
     trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp),
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp, first_version=first),
         client=client, source=None)
     served = []
     for seed in (2, 3):
@@ -123,12 +166,12 @@ def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tm
     # vLLM's own call failed too: the /update_weights route answered with an error status naming the tensor
     answered = info.value.reasons["update_weights"]
     assert answered.startswith("HTTP 5") and name in answered and "nonfinite" in answered, answered
-    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == "2"
+    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == str(first + 1)
     assert_same_outputs(_complete(server), cold[1])
     # the next good update goes in
     trainer.source = ModuleSource(build_model(kind, seed=3))
-    trainer.send_weights(version=4)
-    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == "4"
+    trainer.send_weights(version=first + 3)
+    assert requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"] == str(first + 3)
     assert_same_outputs(_complete(server), cold[1])  # same weights as version 2 (seed 3)
     trainer.shutdown()
 
