@@ -296,7 +296,7 @@ def serve_rows(trainer: Trainer, engines: Engines, ckpt: Path, kind: str, rows: 
     from bench.serve import ServeProcess, free_port
 
     transports = [t for t in plan.transports if t in SERVE_TRANSPORTS]
-    need = ENGINE_BYTES + 4 * trainer.bytes
+    need = ENGINE_BYTES + 2 * trainer.bytes  # the engine with its weights, and the serve publisher's segments
     if not transports:
         return []
     if available_memory() < need + (2 << 30):
