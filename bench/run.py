@@ -317,8 +317,12 @@ def serve_rows(trainer: Trainer, engines: Engines, ckpt: Path, kind: str, rows: 
             out.append({"model": kind, "transport": transport, "mode": mode, "receivers": 1, "bytes": trainer.bytes,
                         "bucket_mb": plan.bucket_mb, "vllm_serve": True, "actor_row": row["bridge"] if row else None, **m})
     finally:
-        trainer.ask(op="vllm_close")
-        serve.close()
+        try:
+            trainer.ask(op="vllm_close")
+        except (RuntimeError, BrokenPipeError):  # the trainer process died: the error in flight says why
+            pass
+        finally:
+            serve.close()
     return out
 
 
