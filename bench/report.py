@@ -109,3 +109,71 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
             a, b, r2 = linear_fit(pts)
             out.append(f"{key[0]}/{key[1]} vs model size: seconds = {a:.3f} + {b * 1e9:.3f} per GB (r2 {r2:.3f})")
     return out
+
+
+# ---- the weight_bridge backend behind vllm serve against the InferenceActor --------------------------
+
+SERVE_GOAL = 1.2  # vllm serve's syncs against the InferenceActor's, same transport and mode
+CONTROL_ROUTES = ("pause", "start_weight_update", "finish_weight_update", "reset_prefix_cache", "resume")
+
+
+def serve_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """``publish`` (tensors -> verified acks, as the InferenceActor rows time it) and ``send_weights`` (the whole
+    call) over ``actor``: the InferenceActor's syncs alternating with them; ``*_over_row``: over the InferenceActor
+    row of that transport/mode measured earlier in the run."""
+    row["publish_over_actor"] = row["publish"] / row["actor"]
+    row["send_over_actor"] = row["send_weights"] / row["actor"]
+    if row.get("actor_row"):
+        row["publish_over_row"] = row["publish"] / row["actor_row"]
+        row["send_over_row"] = row["send_weights"] / row["actor_row"]
+    return row
+
+
+def control_seconds(row: dict[str, Any]) -> float:
+    """Median seconds of vLLM's HTTP control calls around the publish (pause, start, finish, prefix-cache reset,
+    resume; not ``update_weights``, which spans the publish)."""
+    return sum(row.get("phases", {}).get(f"http_{route}", 0.0) for route in CONTROL_ROUTES)
+
+
+def serve_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'model':>6} {'transport':>9} {'mode':>9} {'MB':>7} {'actor s':>8} {'publish s':>9} {'send s':>7} "
+            f"{'pub/actor':>9} {'send/actor':>10} {'row s':>6} {'send/row':>8} {'outside ms':>10} {'control ms':>10}")
+    lines = ["vllm serve (weight_bridge backend) against the InferenceActor, syncs alternating", head, "-" * len(head)]
+    for r in rows:
+        row_s = f"{r['actor_row']:.3f}" if r.get("actor_row") else ""
+        send_row = f"{r['send_over_row']:.2f}" if r.get("send_over_row") else ""
+        lines.append(
+            f"{r['model']:>6} {r['transport']:>9} {r['mode']:>9} {r['bytes'] / 1e6:>7.0f} {r['actor']:>8.3f} {r['publish']:>9.3f} "
+            f"{r['send_weights']:>7.3f} {r['publish_over_actor']:>9.2f} {r['send_over_actor']:>10.2f} {row_s:>6} {send_row:>8} "
+            f"{1000 * r.get('phases', {}).get('outside_publish', 0.0):>10.0f} {1000 * control_seconds(r):>10.0f}")
+    return "\n".join(lines)
+
+
+def serve_verdict(rows: list[dict[str, Any]], goal: float = SERVE_GOAL) -> list[str]:
+    if not rows:
+        return []
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        parts = []
+        for r in mine:
+            rounds = (f" (rounds {statistics.median(r['paired_publish']):.2f} / {statistics.median(r['paired_send_weights']):.2f})"
+                      if r.get("paired_publish") and r.get("paired_send_weights") else "")
+            parts.append(f"{r['transport']}/{r['mode']} {r['publish_over_actor']:.2f} / {r['send_over_actor']:.2f}{rounds}")
+        out.append(f"{model}: vllm serve over InferenceActor, publish / send_weights (goal <= {goal:g}x): " + ", ".join(parts))
+    n = len(rows)
+    publish_ok = sum(r["publish_over_actor"] <= goal for r in rows)
+    send_ok = sum(r["send_over_actor"] <= goal for r in rows)
+    line = f"vllm serve within {goal:g}x of the InferenceActor: publish {publish_ok}/{n}, send_weights {send_ok}/{n}"
+    over = []
+    for r in rows:
+        missed = [f"{what} {r[key]:.2f}" for what, key in (("publish", "publish_over_actor"), ("send_weights", "send_over_actor"))
+                  if r[key] > goal]
+        if missed:
+            over.append(f"{r['model']} {r['transport']}/{r['mode']} {', '.join(missed)} (outside the publish "
+                        f"{1000 * r.get('phases', {}).get('outside_publish', 0.0):.0f} ms, of which HTTP control calls "
+                        f"{1000 * control_seconds(r):.0f} ms)")
+    if over:
+        line += "; over: " + "; ".join(over)
+    out.append(line)
+    return out

@@ -5,7 +5,10 @@ For each synthetic model it starts one engine and one trainer process and measur
 verified ack), ``baseline_a`` (save_pretrained + ``reload_weights(weights_path)``), ``baseline_b`` (vLLM's
 in-process ``reload_weights`` from tensors already in the worker; one run after each sync, so each row's B
 is measured in the same minute as its syncs), ``limit`` (bytes / torch copy bandwidth measured now) and,
-on the smallest model, 1/2/4 receivers. Medians; ratios are the verdict.
+on the smallest model, 1/2/4 receivers, and ``vllm_serve``: the same model behind ``vllm serve`` with the
+``weight_bridge`` backend, driven by vLLM's ``HTTPVLLMWeightSyncClient`` + ``WeightBridgeTrainerEngine`` from the
+trainer process, its syncs alternating with the InferenceActor's over the same transport and mode. Medians;
+ratios are the verdict.
 Writes ``bench/results/latest.json``.
 """
 
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.memory import peak_growth, reset_peaks
-from bench.report import add_ratios, table, verdict
+from bench.report import add_ratios, serve_ratios, serve_table, serve_verdict, table, verdict
 from bridge import wire
 from bridge.report import ApplyResult, LoadResult
 from inference_side.contract import EngineGate, StagedBucket
@@ -55,6 +58,14 @@ class Plan:
     bucket_mb: float
     out: Path
     sweep_mb: tuple[float, ...] = ()
+    vllm_serve: bool = True
+    serve_port: int = 0  # vllm serve's HTTP port, its receivers on the ports after it; 0: free ports
+
+
+# the transports the weight_bridge backend's worker-side receivers are reached over; not ipc: the trainer engine
+# addresses tcp://host:base_port+rank, and a worker's ipc:// endpoint (a private directory made when its receiver
+# starts) reaches no trainer through vLLM's init call, which returns nothing
+SERVE_TRANSPORTS = ("zmq", "shm", "gloo")
 
 
 def parse(argv: list[str] | None) -> Plan:
@@ -67,13 +78,17 @@ def parse(argv: list[str] | None) -> Plan:
     p.add_argument("--receivers", default="1,2,4", help="receiver counts measured on the smallest model")
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--sweep-mb", default="", help="also measure the fastest transport/mode at these bucket sizes (MB, comma-separated)")
+    p.add_argument("--no-vllm-serve", action="store_true", help="skip the rows for the weight_bridge backend behind vllm serve")
+    p.add_argument("--serve-port", type=int, default=0,
+                   help="vllm serve's HTTP port; its receivers take the ports after it (default: free ports)")
     p.add_argument("--out", default=str(RESULTS / "latest.json"))
     a = p.parse_args(argv)
     models = ("50m",) if a.quick else tuple(a.models.split(","))
     reps = 3 if a.quick else a.reps
     receivers = (1, 2) if a.quick and a.receivers == "1,2,4" else tuple(int(x) for x in a.receivers.split(","))
     sweep = tuple(float(x) for x in a.sweep_mb.split(",") if x)
-    return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out), sweep)
+    return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out), sweep,
+                vllm_serve=not a.no_vllm_serve, serve_port=a.serve_port)
 
 
 # ---- the trainer process ------------------------------------------------------------------------
@@ -220,6 +235,97 @@ def measure_bridge(trainer: Trainer, engines: Engines, transport: str, mode: str
     return out
 
 
+def measure_serve(trainer: Trainer, engines: Engines, serve: Any, transport: str, mode: str, plan: Plan,
+                  versions: Versions, base_port: int) -> dict[str, Any]:
+    """The backend behind ``vllm serve`` against the InferenceActor, same transport and mode: after a warm-up
+    of each, ``plan.reps`` rounds of one InferenceActor sync and one ``send_weights()`` to vllm serve (the order
+    alternating), so both are measured in the same minute. Each sync must come back verified; at the end
+    ``/weight_info`` must name the last version."""
+    from bench.serve import serve_config
+
+    engines.set_mode(mode, plan.bucket_mb)
+    config = _config(mode, plan.bucket_mb)
+    sconfig = serve_config(transport, mode, plan.bucket_mb)
+
+    def actor() -> dict[str, Any]:
+        rep = trainer.ask(op="publish", endpoints=engines.endpoints, transport=transport, version=versions.next(), config=config)
+        if not rep.get("ok") or not all(e["verified"] for e in rep["engines"]):
+            raise RuntimeError(f"bridge {transport}/{mode} failed or unverified: {rep}")
+        return rep
+
+    def vllm() -> dict[str, Any]:
+        rep = trainer.ask(op="vllm", url=serve.url, base_port=base_port, config=sconfig, version=versions.next())
+        if not rep.get("ok") or not all(e["verified"] for e in rep["engines"]):
+            raise RuntimeError(f"vllm serve {transport}/{mode} failed or unverified: {rep}")
+        return rep
+
+    actor()
+    vllm()
+    a: list[dict[str, Any]] = []
+    v: list[dict[str, Any]] = []
+    for i in range(plan.reps):
+        if i % 2:
+            v.append(vllm())
+            a.append(actor())
+        else:
+            a.append(actor())
+            v.append(vllm())
+    served = serve.weight_version()
+    if served != str(v[-1]["version"]):
+        raise RuntimeError(f"vllm serve {transport}/{mode}: /weight_info names {served}, the last sync was {v[-1]['version']}")
+    actor_s = [r["seconds"]["total"] for r in a]
+    publish = [r["seconds"]["total"] for r in v]
+    whole = [float(r["send_weights"]) for r in v]
+    phases: dict[str, list[float]] = {}
+    for r in v:
+        for k, x in [*r["seconds"].items(), *((f"http_{k}", x) for k, x in r["http"].items())]:
+            phases.setdefault(k, []).append(float(x))
+        phases.setdefault("outside_publish", []).append(float(r["send_weights"]) - r["seconds"]["total"])
+    return {"actor": statistics.median(actor_s), "actor_all": actor_s, "publish": statistics.median(publish), "publish_all": publish,
+            "send_weights": statistics.median(whole), "send_weights_all": whole,
+            "paired_publish": [x / y for x, y in zip(publish, actor_s, strict=True)],
+            "paired_send_weights": [x / y for x, y in zip(whole, actor_s, strict=True)],
+            "actor_phases": {k: statistics.median([r["seconds"].get(k, 0.0) for r in a]) for k in a[0]["seconds"]},
+            "phases": {k: statistics.median(x) for k, x in phases.items()}, "weight_info": served}
+
+
+def serve_rows(trainer: Trainer, engines: Engines, ckpt: Path, kind: str, rows: list[dict[str, Any]], plan: Plan,
+               workdir: Path, versions: Versions) -> list[dict[str, Any]]:
+    """One ``vllm serve`` process for this model, measured over every transport of ``SERVE_TRANSPORTS`` in the plan
+    and every mode; each row also carries the InferenceActor row of that transport/mode measured before."""
+    from bench.serve import ServeProcess, free_port
+
+    transports = [t for t in plan.transports if t in SERVE_TRANSPORTS]
+    need = ENGINE_BYTES + 2 * trainer.bytes  # the engine with its weights, and the serve publisher's segments
+    if not transports:
+        return []
+    if available_memory() < need + (2 << 30):
+        why = f"not enough memory for a vllm serve engine ({available_memory() / (1 << 30):.1f} GiB available)"
+        logger.warning("%s: skipping the vllm serve rows: %s", kind, why)
+        return [{"model": kind, "vllm_serve": True, "skipped": why}]
+    t0 = time.perf_counter()
+    serve = ServeProcess(ckpt, workdir / f"{kind}-vllm-serve.log", port=plan.serve_port)
+    logger.info("%s: vllm serve up at %s in %.0fs", kind, serve.url, time.perf_counter() - t0)
+    out = []
+    try:
+        for i, (transport, mode) in enumerate((t, m) for t in transports for m in plan.modes):
+            base_port = plan.serve_port + 1 + i if plan.serve_port else free_port()
+            logger.info("%s: vllm serve over %s (%s), receivers at %d", kind, transport, mode, base_port)
+            m = measure_serve(trainer, engines, serve, transport, mode, plan, versions, base_port)
+            row = next((r for r in rows if r["receivers"] == 1 and not r.get("sweep") and not r.get("fanout")
+                        and (r["transport"], r["mode"]) == (transport, mode)), None)
+            out.append({"model": kind, "transport": transport, "mode": mode, "receivers": 1, "bytes": trainer.bytes,
+                        "bucket_mb": plan.bucket_mb, "vllm_serve": True, "actor_row": row["bridge"] if row else None, **m})
+    finally:
+        try:
+            trainer.ask(op="vllm_close")
+        except (RuntimeError, BrokenPipeError):  # the trainer process died: the error in flight says why
+            pass
+        finally:
+            serve.close()
+    return out
+
+
 def measure_relay(trainer: Trainer, engines: Engines, mode: str, plan: Plan, versions: Versions) -> dict[str, Any]:
     """Fan-out across hosts as a relay does it: the trainer sends each update once, over tcp://, to a relay
     (in this process) in front of every engine; the relay forwards it to their ipc:// endpoints over shm."""
@@ -358,13 +464,16 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
                              "transport_alone_raw": alone_raw,
                              **base, **m})
         fastest = min(rows, key=lambda r: r["bridge"])
+        if plan.vllm_serve:
+            rows += serve_rows(trainer, engines, ckpt, kind, rows, plan, workdir, versions)
+        actor_rows = [r for r in rows if not r.get("vllm_serve")]
         for mb in plan.sweep_mb:
             if mb == plan.bucket_mb:
                 continue
             m = measure_bridge(trainer, engines, fastest["transport"], fastest["mode"], plan, versions, bucket_mb=mb)
             rows.append({**fastest, **m, "bucket_mb": mb, "sweep": True})
         if scaling:
-            best = min((r for r in rows if r["receivers"] == 1 and not r.get("sweep")), key=lambda r: r["bridge"])
+            best = min((r for r in actor_rows if r["receivers"] == 1 and not r.get("sweep")), key=lambda r: r["bridge"])
             for count in plan.receivers:
                 if count <= 1:
                     continue
@@ -408,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}})
     rows: list[dict[str, Any]] = []
     started = time.time()
+    load_at_start = os.getloadavg()
     try:
         with tempfile.TemporaryDirectory(prefix="wb-bench-") as tmp:
             smallest = plan.models[0]
@@ -416,11 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     skipped_rows = [r for r in rows if "skipped" in r]
-    rows = [add_ratios(r) for r in rows if "skipped" not in r]
+    served = [serve_ratios(r) for r in rows if r.get("vllm_serve") and "skipped" not in r]
+    rows = [add_ratios(r) for r in rows if "skipped" not in r and not r.get("vllm_serve")]
     print(table(rows))
+    if served:
+        print(serve_table(served))
     for r in skipped_rows:
-        print(f"{r['model']}: {r['receivers']} receivers skipped: {r['skipped']}")
-    for line in verdict(rows):
+        print(f"{r['model']}: {'vllm serve rows' if r.get('vllm_serve') else str(r['receivers']) + ' receivers'} skipped: {r['skipped']}")
+    for line in verdict(rows) + serve_verdict(served):
         print(line)
     by_model: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -429,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
                 k: r.get(k) for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes", "transport_alone", "transport_alone_raw")}
     result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
               "host": platform.node(), "cpus": os.cpu_count(), "reps": plan.reps, "bucket_mb": plan.bucket_mb,
-              "models": by_model, "rows": rows, "skipped": skipped_rows, "verdict": verdict(rows),
-              "load_average": os.getloadavg()}
+              "models": by_model, "rows": rows, "vllm_serve": served, "skipped": skipped_rows,
+              "verdict": verdict(rows) + serve_verdict(served),
+              "load_average_start": load_at_start, "load_average": os.getloadavg()}
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     plan.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {plan.out}")

@@ -5,6 +5,11 @@ Commands (one JSON object per line; one JSON answer per line on stdout, prefixed
 publish report (its ``seconds.total`` runs from tensors in this process to every engine's verified ack;
 with ``"precast": "bfloat16"`` the tensors are already in the wire dtype, so only the transport works);
 ``{"op": "save", "dir": D}`` -> seconds of ``save_pretrained`` (baseline A's first half);
+``{"op": "vllm", "url": U, "base_port": P, "config": {...}, "version": 7}`` -> one ``send_weights()`` of vLLM's
+``WeightBridgeTrainerEngine`` (made once per url, port and config with ``HTTPVLLMWeightSyncClient``) to the
+``vllm serve`` at U: its publish report (``last_report``), ``send_weights`` (seconds of the whole call: the
+publish, vLLM's HTTP control calls, pause/resume and the prefix-cache reset) and ``http`` (seconds per route);
+``{"op": "vllm_close"}`` -> shuts those engines down;
 ``{"op": "quit"}``.
 """
 
@@ -27,11 +32,70 @@ def _answer(obj: dict[str, Any]) -> None:
     print("BENCH " + json.dumps(obj), flush=True)
 
 
+class _TimedPosts:
+    """Seconds of every ``requests.post`` made in this process while entered, summed per route (the last part of
+    the URL); the trainer engine and vLLM's HTTP client both post through ``requests.post``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __enter__(self) -> _TimedPosts:
+        import requests
+
+        self._post = post = requests.post
+
+        def timed(url: str, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return post(url, *args, **kwargs)
+            finally:
+                route = url.split("?")[0].rsplit("/", 1)[-1]
+                self.seconds[route] = self.seconds.get(route, 0.0) + time.perf_counter() - t0
+
+        requests.post = timed  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import requests
+
+        requests.post = self._post
+
+
+def _vllm_sync(model: Any, engines: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    key = json.dumps([cmd["url"], cmd["base_port"], cmd.get("config", {})], sort_keys=True)
+    try:
+        engine: Any = engines.get(key)
+        if engine is None:
+            for old in engines.values():
+                old.shutdown()
+            engines.clear()
+            engine = engines[key] = WeightTransferTrainerFactory.trainer_init(  # a WeightBridgeTrainerEngine
+                WeightBridgeInitInfo(rank=0, base_port=int(cmd["base_port"]), config=cmd.get("config", {})),
+                client=HTTPVLLMWeightSyncClient(cmd["url"]), source=ModuleSource(model))
+        with _TimedPosts() as posts:
+            t0 = time.perf_counter()
+            engine.send_weights(version=int(cmd["version"]))
+            whole = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - answered to bench.run, which stops the run with it
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    report = engine.last_report
+    assert report is not None
+    return {**report_line(report), "engine_seconds": [e.seconds for e in report.engines], "send_weights": whole,
+            "http": posts.seconds}
+
+
 def serve(kind: str, seed: int) -> int:
     model = build_model(kind, seed)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     publishers: dict[str, WeightPublisher] = {}
     precast: dict[str, list[tuple[str, Any]]] = {}
+    vllm_engines: dict[str, Any] = {}
     _answer({"ready": True, "bytes": sum(t.numel() * t.element_size() for _, t in named)})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -42,6 +106,13 @@ def serve(kind: str, seed: int) -> int:
             t0 = time.perf_counter()
             save_checkpoint(model, cmd["dir"])
             _answer({"seconds": time.perf_counter() - t0})
+        elif op == "vllm":
+            _answer(_vllm_sync(model, vllm_engines, cmd))
+        elif op == "vllm_close":
+            for engine in vllm_engines.values():
+                engine.shutdown()
+            vllm_engines.clear()
+            _answer({"ok": True})
         elif op == "publish":
             key = json.dumps([cmd["endpoints"], cmd["transport"], cmd.get("config", {})], sort_keys=True)
             pub = publishers.get(key)
@@ -66,6 +137,8 @@ def serve(kind: str, seed: int) -> int:
             _answer({"ok": False, "error": f"unknown op {op!r}"})
     for pub in publishers.values():
         pub.close()
+    for engine in vllm_engines.values():
+        engine.shutdown()
     return 0
 
 

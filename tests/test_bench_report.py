@@ -1,11 +1,19 @@
 """The benchmark's pure report functions: the least-squares fit behind "time grows linearly with model
-size", the ratios and the verdict lines (bench/run.py)."""
+size", the ratios and the verdict lines (bench/run.py), and the rows for the backend behind vllm serve."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.report import add_ratios, linear_fit, verdict
+from bench.report import (
+    add_ratios,
+    control_seconds,
+    linear_fit,
+    serve_ratios,
+    serve_table,
+    serve_verdict,
+    verdict,
+)
 
 
 @pytest.mark.parametrize(("points", "a", "b"), [
@@ -89,3 +97,48 @@ def test_verdict_states_the_shm_segments_the_publisher_keeps_per_mode() -> None:
     lines = verdict([add_ratios(staged), add_ratios(streaming)])
     assert ("1b: shm bucket segments the publisher keeps in /dev/shm: staged 1700 MB (the whole update), streaming "
             "320 MB (a ring of 64 MB buckets, each rewritten once the engines released it)") in lines, lines
+
+
+def _serve(model: str, transport: str, mode: str, actor: float, publish: float, send: float, row: float | None = None,
+           outside: float = 0.04) -> dict[str, object]:
+    phases = {"total": publish, "outside_publish": outside, "http_pause": 0.02, "http_start_weight_update": 0.004,
+              "http_update_weights": publish + 0.005, "http_finish_weight_update": 0.004, "http_reset_prefix_cache": 0.003,
+              "http_resume": 0.003}
+    return serve_ratios({"model": model, "transport": transport, "mode": mode, "receivers": 1, "bytes": 1.2e8, "actor": actor,
+                         "publish": publish, "send_weights": send, "actor_row": row, "phases": phases,
+                         "paired_publish": [publish / actor] * 3, "paired_send_weights": [send / actor] * 3})
+
+
+@pytest.mark.parametrize(("actor", "publish", "send", "row", "want"), [
+    (0.2, 0.22, 0.26, 0.15, {"publish_over_actor": 1.1, "send_over_actor": 1.3, "publish_over_row": 0.22 / 0.15,
+                             "send_over_row": 0.26 / 0.15}),
+    (0.5, 0.45, 0.5, None, {"publish_over_actor": 0.9, "send_over_actor": 1.0}),
+])
+def test_serve_ratios_against_the_alternating_actor_syncs_and_the_earlier_row(actor: float, publish: float, send: float,
+                                                                              row: float | None, want: dict[str, float]) -> None:
+    got = _serve("50m", "shm", "staged", actor, publish, send, row)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key
+    assert ("publish_over_row" in got) is (row is not None)
+    assert control_seconds(got) == pytest.approx(0.034)  # pause, start, finish, reset, resume; not update_weights
+
+
+@pytest.mark.parametrize(("rows", "summary"), [
+    ([_serve("50m", "shm", "staged", 0.2, 0.22, 0.23), _serve("50m", "zmq", "streaming", 0.4, 0.41, 0.45)],
+     "vllm serve within 1.2x of the InferenceActor: publish 2/2, send_weights 2/2"),
+    ([_serve("50m", "shm", "staged", 0.2, 0.22, 0.26), _serve("350m", "zmq", "staged", 0.5, 0.65, 0.7, outside=0.05)],
+     "vllm serve within 1.2x of the InferenceActor: publish 1/2, send_weights 0/2; over: 50m shm/staged send_weights 1.30 "
+     "(outside the publish 40 ms, of which HTTP control calls 34 ms); 350m zmq/staged publish 1.30, send_weights 1.40 "
+     "(outside the publish 50 ms, of which HTTP control calls 34 ms)"),
+])
+def test_serve_verdict_names_every_row_and_what_missed_the_goal(rows: list[dict[str, object]], summary: str) -> None:
+    lines = serve_verdict(rows)
+    assert lines[-1] == summary, lines
+    assert lines[0].startswith("50m: vllm serve over InferenceActor, publish / send_weights (goal <= 1.2x): shm/staged 1.10 / "), lines
+    assert "(rounds 1.10 / " in lines[0], lines
+    table = serve_table(rows)
+    assert len(table.splitlines()) == 3 + len(rows) and "pub/actor" in table and "control ms" in table
+
+
+def test_serve_verdict_is_empty_without_rows() -> None:
+    assert serve_verdict([]) == []
