@@ -67,15 +67,16 @@ def publish(endpoint: str, tensors: dict[str, Any], version: int, spec: wire.Ada
         return pub.publish(list(tensors.items()), version=version, adapter=spec or adapter_spec())
 
 
-@pytest.fixture(scope="module")
-def lora_engine(ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def lora_engine(request: Any, ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
     from inference_side import InferenceActor
 
     base = checkpoints("tiny", 1)
-    actor = InferenceActor.remote(model=str(base), tensor_parallel_size=1, dtype="bfloat16",
+    actor = InferenceActor.remote(model=str(base), tensor_parallel_size=request.param, dtype="bfloat16",
                                   enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2)
     endpoint = ray_session.get(actor.endpoint.remote(), timeout=900)
-    yield {"actor": actor, "endpoint": endpoint, "base": base, "dir": tmp_path_factory.mktemp("adapters")}
+    yield {"actor": actor, "endpoint": endpoint, "base": base, "tp": request.param,
+           "dir": tmp_path_factory.mktemp(f"adapters-tp{request.param}")}
     ray_session.get(actor.shutdown.remote())
     ray_session.kill(actor)
 
@@ -91,7 +92,7 @@ def served(lora_engine: Any) -> Any:
     spec = adapter_spec()
     v1, v2 = adapter_tensors(11), adapter_tensors(12)
     dirs = [peft_dir(lora_engine["dir"] / f"v{i}", t, spec) for i, t in ((1, v1), (2, v2))]
-    cold = cold_lora_outputs(str(lora_engine["base"]), [str(d) for d in dirs], 1, "bfloat16", PROMPTS,
+    cold = cold_lora_outputs(str(lora_engine["base"]), [str(d) for d in dirs], lora_engine["tp"], "bfloat16", PROMPTS,
                              max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
     base_before = gen(actor)
     got = {}
@@ -131,9 +132,15 @@ def test_status_and_records_show_the_adapter(lora_engine: Any, served: Any) -> N
     assert [r["version"] for r in records][:2] == [1, 2]
 
 
+def _one_tp(lora_engine: Any) -> None:
+    if lora_engine["tp"] != 1:
+        pytest.skip("decided on the receiver and the engine's validation, the same at every TP size")
+
+
 def test_generate_with_an_unknown_adapter_is_refused(lora_engine: Any) -> None:
     import ray
 
+    _one_tp(lora_engine)
     with pytest.raises(ray.exceptions.RayTaskError, match="serves no version of adapter 'nope'"):
         gen(lora_engine["actor"], "nope")
 
@@ -163,6 +170,7 @@ def test_bad_adapter_refused_and_previous_version_serves(lora_engine: Any, serve
 
     from bridge.errors import UpdateFailed
 
+    _one_tp(lora_engine)
     actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
     before = gen(actor, NAME)
     make, spec, expected = REFUSALS[case]
@@ -179,6 +187,7 @@ def test_flipped_checksum_refused_and_previous_version_serves(lora_engine: Any, 
     import ray
     import torch
 
+    _one_tp(lora_engine)
     actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
     before = gen(actor, NAME)
     name_a = PREFIX.format(layer=0, module="q_proj") + ".lora_A.weight"
@@ -209,6 +218,7 @@ def test_same_adapter_version_with_other_weights_is_a_conflict(lora_engine: Any,
 
     from bridge.errors import UpdateFailed
 
+    _one_tp(lora_engine)
     actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
     before = gen(actor, NAME)
     (again,) = publish(endpoint, served["v2"], 2, served["spec"]).engines

@@ -137,3 +137,11 @@ def test_bucket_tensors_and_peft_dir_round_trip(tmp_path: Path) -> None:
     assert torch.equal(back["x.lora_B.weight"], b)
     with pytest.raises(FileExistsError):  # a version's directory is never written over
         write_peft_dir(tmp_path / "a", {"r": 2}, got)
+
+
+def test_doors_without_lora_refuse_adapters_by_name() -> None:
+    """``validate_manifest`` (the ``vllm serve`` backend's check) names the adapter instead of its tensors."""
+    from inference_side.validate import validate_manifest
+
+    with pytest.raises(ManifestError, match="adapter math: this engine takes no LoRA adapter updates"):
+        validate_manifest(_manifest(_good()), TABLE, "bfloat16", 0)
