@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
@@ -266,7 +266,7 @@ class InferenceServer(EngineGate):
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         with self._engine:
             update = self._update
-            if update is None or update.manifest.version != manifest.version:
+            if not self._open_for(update, manifest):
                 return LoadResult(f"bucket {bucket.index} of version {manifest.version} arrived outside its update",
                                   FailureKind.WIRE)
             if update.adapter is not None:  # held here until finish: the served adapter is untouched till then
@@ -291,7 +291,7 @@ class InferenceServer(EngineGate):
     def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
         with self._engine:
             update = self._update
-            if update is None or update.manifest.version != manifest.version:
+            if not self._open_for(update, manifest):
                 return ApplyResult(False, f"no update of version {manifest.version} is open", FailureKind.WIRE)
             if update.adapter is not None:
                 try:
@@ -326,7 +326,7 @@ class InferenceServer(EngineGate):
     def abort(self, manifest: wire.Manifest, reason: str) -> None:
         with self._engine:
             update = self._update
-            if update is None or update.manifest.version != manifest.version:
+            if not self._open_for(update, manifest):
                 return
             if update.adapter is None:
                 reason = self._close(update, (FailureKind.ABORTED, reason))
@@ -335,6 +335,14 @@ class InferenceServer(EngineGate):
             self._ledger.failed(manifest.version, FailureKind.ABORTED,
                                 f"{'streaming ' if self.config.sync.mode == 'streaming' else ''}update aborted: {reason}",
                                 adapter=manifest.adapter.name if manifest.adapter else "")
+
+    @staticmethod
+    def _open_for(update: _Update | None, manifest: wire.Manifest) -> TypeGuard[_Update]:
+        """``update`` is the one of ``manifest`` (an adapter's versions count apart from the base's)."""
+        if update is None or update.manifest.version != manifest.version:
+            return False
+        ours, theirs = update.manifest.adapter, manifest.adapter
+        return (ours.name if ours else None) == (theirs.name if theirs else None)
 
     # ---- LoRA adapters (inference_side/lora.py) ------------------------------------------------------
     @staticmethod
