@@ -60,10 +60,11 @@ def gen(actor: Any, adapter: str | None = None) -> list[dict[str, Any]]:
     return ray.get(actor.generate.remote(PROMPTS, max_tokens=8, logprobs=1, adapter=adapter), timeout=600)
 
 
-def publish(endpoint: str, tensors: dict[str, Any], version: int, spec: wire.AdapterSpec | None = None) -> Any:
+def publish(endpoint: str, tensors: dict[str, Any], version: int, spec: wire.AdapterSpec | None = None,
+            transport: str | None = None) -> Any:
     from trainer_side import WeightPublisher
 
-    with WeightPublisher([endpoint]) as pub:
+    with WeightPublisher([endpoint], transport=transport) as pub:
         return pub.publish(list(tensors.items()), version=version, adapter=spec or adapter_spec())
 
 
@@ -83,7 +84,8 @@ def lora_engine(request: Any, ray_session: Any, checkpoints: Any, tmp_path_facto
 
 @pytest.fixture(scope="module")
 def served(lora_engine: Any) -> Any:
-    """Two adapter versions published over the bridge, checked against the oracle; the engine serves v2."""
+    """Two adapter versions published over the bridge (v1 over ZMQ, v2 over shared memory), checked against
+    the oracle; the engine serves v2."""
     import ray
 
     from devtools.coldload import cold_lora_outputs
@@ -96,8 +98,8 @@ def served(lora_engine: Any) -> Any:
                              max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
     base_before = gen(actor)
     got = {}
-    for version, tensors in ((1, v1), (2, v2)):
-        report = publish(endpoint, tensors, version, spec)
+    for version, tensors, transport in ((1, v1, "zmq"), (2, v2, "shm")):
+        report = publish(endpoint, tensors, version, spec, transport)
         assert report.ok and all(e.ok for e in report.engines), report
         assert ray.get(actor.adapter_version.remote(NAME)) == version
         got[version] = gen(actor, NAME)
@@ -129,7 +131,7 @@ def test_status_and_records_show_the_adapter(lora_engine: Any, served: Any) -> N
     assert status["version"] == 0
     assert status["adapters"][NAME]["version"] == 2 and status["adapters"][NAME]["rank"] == 4
     records = [r for r in ray.get(lora_engine["actor"].records.remote()) if r["adapter"] == NAME and r["ok"]]
-    assert [r["version"] for r in records][:2] == [1, 2]
+    assert [(r["version"], r["transport"]) for r in records][:2] == [(1, "zmq"), (2, "shm")]
 
 
 def _one_tp(lora_engine: Any) -> None:
