@@ -29,6 +29,7 @@ class SyncRecord:
     probe_flagged: bool = False
     noop: bool = False
     transport: str = ""  # the data plane the update's bytes came over (zmq, shm, gloo, nccl)
+    adapter: str = ""  # a LoRA adapter's update: its name (``version`` is then the adapter's); empty: base weights
     timestamp: float = field(default_factory=time.time)
 
     @property

@@ -27,26 +27,36 @@ class ServedContent:
     algorithm: str = ""
     sums: dict[str, int] = field(default_factory=dict)
 
-    def record(self, algorithm: str, applied: Mapping[str, int], names: Iterable[str]) -> None:
+    def record(self, algorithm: str, applied: Mapping[str, int], names: Iterable[str], scope: str = "") -> None:
         """An update that set tensors ``names`` was applied; ``applied`` holds the checksums it carried
-        (none for a tensor sent without one, or when ``algorithm`` is ``none``)."""
+        (none for a tensor sent without one, or when ``algorithm`` is ``none``). ``scope``: ``served_scope``
+        of its manifest (a LoRA adapter's tensors are kept apart from the base's and from other adapters')."""
         if algorithm != self.algorithm:  # sums under another algorithm cannot be compared: forget them
             self.algorithm, self.sums = algorithm, {}
+        if scope:  # an adapter version replaces all of the adapter's tensors: forget what it no longer has
+            self.sums = {k: v for k, v in self.sums.items() if not k.startswith(scope)}
         for name in names:
             if name in applied:
-                self.sums[name] = applied[name]
+                self.sums[scope + name] = applied[name]
             else:
-                self.sums.pop(name, None)
+                self.sums.pop(scope + name, None)
 
     def lookup(self, manifest: wire.Manifest) -> list[int] | None:
         """The recorded checksum of every tensor of ``manifest``, in its order, or None when the engine
         cannot say (another algorithm, or a tensor never updated with a checksum)."""
         if manifest.checksum in ("", "none") or manifest.checksum != self.algorithm:
             return None
+        scope = served_scope(manifest)
         try:
-            return [self.sums[t.name] for t in manifest.tensors]
+            return [self.sums[scope + t.name] for t in manifest.tensors]
         except KeyError:
             return None
+
+
+def served_scope(manifest: wire.Manifest) -> str:
+    """The key prefix of a manifest's tensors in ``ServedContent``: empty for base weights; for a LoRA adapter,
+    its name (adapters share PEFT tensor names, and their versions count apart from the base's)."""
+    return f"adapter:{manifest.adapter.name}/" if manifest.adapter is not None else ""
 
 
 def bucket_sums(specs: Sequence[wire.TensorSpec], checksums: Sequence[int]) -> dict[str, int]:

@@ -132,6 +132,67 @@ class ProbeSpec:
         return cls(sequences, logprobs)
 
 
+ADAPTER_CONFIG_KEYS = 64  # entries a PEFT config of an adapter may hold
+
+
+def _plain(value: Any, what: str, depth: int = 0) -> Any:
+    """A PEFT config value: a scalar, or a list / map (string keys) of such, at most 3 levels deep."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return _str(value, what, 4096) if isinstance(value, str) else value
+    _require(depth < 3, f"{what} is nested too deeply")
+    if isinstance(value, list | tuple):
+        _require(len(value) <= 4096, f"{what} lists more than 4096 items")
+        return [_plain(v, what, depth + 1) for v in value]
+    if isinstance(value, dict):
+        _require(len(value) <= ADAPTER_CONFIG_KEYS, f"{what} has more than {ADAPTER_CONFIG_KEYS} entries")
+        return {_str(k, f"{what} key", 256): _plain(v, f"{what}.{k}", depth + 1) for k, v in value.items()}
+    raise WireError(f"{what} must be a plain value, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter an update carries instead of base weights: its ``name`` (what generation asks for) and
+    its PEFT config (``adapter_config.json``: ``r``, ``lora_alpha``, ``target_modules`` ...). The manifest's
+    ``version`` is then this adapter's version (each adapter counts its own, apart from the base's), and its
+    tensors are the adapter's, named as PEFT saves them
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
+
+    name: str
+    config: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def rank(self) -> int:
+        return int(self.config.get("r", 0))
+
+    @property
+    def alpha(self) -> float:
+        return float(self.config.get("lora_alpha", 0))
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        targets = self.config.get("target_modules") or ()
+        return (targets,) if isinstance(targets, str) else tuple(targets)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "config": dict(self.config)}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> AdapterSpec:
+        _require(isinstance(raw, dict), "manifest.adapter must be a map")
+        name = _str(raw.get("name"), "adapter name", 128)
+        _require(bool(_NAME_RE.fullmatch(name)), f"adapter name {name!r} must be letters, digits, '_', '.', '-'", ManifestError)
+        config = raw.get("config")
+        _require(isinstance(config, dict), f"adapter {name}: config must be a map")
+        plain = _plain(config, f"adapter {name}: config")
+        _int(plain.get("r"), f"adapter {name}: config.r", 1, 1 << 16)
+        alpha = _float(plain.get("lora_alpha"), f"adapter {name}: config.lora_alpha")
+        _require(math.isfinite(alpha), f"adapter {name}: config.lora_alpha={alpha} is not finite")
+        targets = plain.get("target_modules")
+        _require(isinstance(targets, str) or (isinstance(targets, list) and bool(targets) and all(isinstance(t, str) for t in targets)),
+                 f"adapter {name}: config.target_modules must be a module name or a non-empty list of them")
+        return cls(name=name, config=plain)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything the receiver must know before the first bucket: names, dtypes, shapes, layout."""
@@ -144,6 +205,7 @@ class Manifest:
     probe: ProbeSpec | None = None
     protocol: int = PROTOCOL_VERSION
     checksum: str = "crc32"  # algorithm of every BucketHeader.checksums entry (see bridge/checksums.py)
+    adapter: AdapterSpec | None = None  # a LoRA adapter's version, not the base weights (AdapterSpec)
 
     @property
     def total_bytes(self) -> int:
@@ -165,6 +227,7 @@ class Manifest:
             "tensors": [t.to_wire() for t in self.tensors],
             "probe": self.probe.to_wire() if self.probe else None,
             "checksum": self.checksum,
+            **({"adapter": self.adapter.to_wire()} if self.adapter is not None else {}),
         }
 
     @classmethod
@@ -185,6 +248,7 @@ class Manifest:
             transport=_str(raw.get("transport", "zmq"), "manifest.transport", 32),
             probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
             checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
+            adapter=AdapterSpec.from_wire(raw["adapter"]) if raw.get("adapter") is not None else None,
         )
         known = (*checksums.KNOWN, checksums.NONE)
         _require(manifest.checksum in known, f"unknown checksum algorithm {manifest.checksum!r} (known: {', '.join(known)})")

@@ -51,6 +51,7 @@ def sync_record(engine: str, manifest: wire.Manifest, ok: bool, reason: str, tim
         routed_sinks=max((len(r.routed_sinks) for r in ranks), default=0),
         routed_bypass=max((len(r.routed_bypass) for r in ranks), default=0),
         transport=manifest.transport,
+        adapter=manifest.adapter.name if manifest.adapter is not None else "",
         **(probe or {}),
     )
 
@@ -60,7 +61,8 @@ def event_record(engine: str, event: str, data: dict[str, Any]) -> SyncRecord | 
     if event not in EVENTS:
         return None
     return SyncRecord(version=int(data.get("version", 0)), engine=engine, ok=False,
-                      reason=f"{event}: {data.get('reason', '')}", kind=str(data.get("kind", "")))
+                      reason=f"{event}: {data.get('reason', '')}", kind=str(data.get("kind", "")),
+                      adapter=str(data.get("adapter", "")))
 
 
 class Ledger:
@@ -80,8 +82,8 @@ class Ledger:
         if record is not None:
             self.add(record)
 
-    def failed(self, version: int, kind: FailureKind, reason: str) -> None:
-        self.add(SyncRecord(version=version, engine=self.engine, ok=False, reason=reason, kind=kind.value))
+    def failed(self, version: int, kind: FailureKind, reason: str, adapter: str = "") -> None:
+        self.add(SyncRecord(version=version, engine=self.engine, ok=False, reason=reason, kind=kind.value, adapter=adapter))
 
     def records(self) -> list[SyncRecord]:
         with self._lock:

@@ -25,7 +25,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import BridgeError, WireError
 from bridge.host_verdicts import verdict_key, verify_once
 from bridge.report import ApplyResult, FailureKind, describe, kind_of
-from bridge.served import ServedContent, bucket_sums
+from bridge.served import ServedContent, bucket_sums, served_scope
 from bridge.shm import Segment, SegmentPool, sweep_orphans
 from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
@@ -212,7 +212,7 @@ class SyncReceiver:
     def _send(self, sock: Any, identity: bytes, msg: wire.Message) -> None:
         sock.send_multipart([identity, wire.encode(msg)])
 
-    def _fail(self, sock: Any, identity: bytes, version: int, kind: FailureKind, reason: str) -> None:
+    def _fail(self, sock: Any, identity: bytes, version: int, kind: FailureKind, reason: str, adapter: str = "") -> None:
         """Refuse ``identity``'s update: its session ends (the engine's open update aborted), the publisher
         gets a failed Ack with ``kind`` and ``reason``."""
         logger.warning("update v%s from %r refused: %s", version, identity, reason)
@@ -220,11 +220,13 @@ class SyncReceiver:
         if session is not None:
             session.close(reason)
             remember(self._refused, identity, session.manifest.version)
+            adapter = adapter or (session.manifest.adapter.name if session.manifest.adapter else "")
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason, kind=kind.value))
-        self.on_event("refused", {"version": version, "reason": reason, "kind": kind.value})
+        self.on_event("refused", {"version": version, "reason": reason, "kind": kind.value,
+                                  **({"adapter": adapter} if adapter else {})})
 
-    def _refuse(self, sock: Any, identity: bytes, version: int, exc: BaseException) -> None:
-        self._fail(sock, identity, version, kind_of(exc), describe(exc))
+    def _refuse(self, sock: Any, identity: bytes, version: int, exc: BaseException, adapter: str = "") -> None:
+        self._fail(sock, identity, version, kind_of(exc), describe(exc), adapter)
 
     def _handle(self, sock: Any, frames: list[Any]) -> None:
         identity = bytes(frames[0].buffer)
@@ -303,7 +305,7 @@ class SyncReceiver:
         try:
             noop = self.gate.validate(manifest)
         except BridgeError as exc:
-            self._refuse(sock, identity, manifest.version, exc)
+            self._refuse(sock, identity, manifest.version, exc, manifest.adapter.name if manifest.adapter else "")
             return
         if noop:
             report: dict[str, Any] = {"noop": True}
@@ -452,7 +454,7 @@ class SyncReceiver:
                     session.close(pool=self._pool if result.ok else None)  # a failed update frees its staging
                     if result.ok and not result.report.get("noop"):
                         m = session.manifest
-                        self._served.record(m.checksum, session.sums, (t.name for t in m.tensors))
+                        self._served.record(m.checksum, session.sums, (t.name for t in m.tensors), served_scope(m))
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     report.setdefault("buckets_verified_by_peer", session.verified_by_peer)

@@ -19,17 +19,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from bridge import wire
 from bridge.checkpoint import read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
-from bridge.errors import BridgeError, ConfigError, DeadlineExceeded
+from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, ManifestError
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.ledger import Ledger, sync_record
+from inference_side.lora import ServedAdapter, bucket_tensors, validate_adapter, write_peft_dir
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
 
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDegraded(BridgeError):
     """The engine refuses requests: an update failed after loading began; a complete version is needed."""
+
+
+class UnknownAdapter(BridgeError):
+    """Generation asked for a LoRA adapter of which the engine serves no version."""
 
 
 def resolve_config(config: BridgeConfig | dict[str, Any] | str | None) -> BridgeConfig:
@@ -60,6 +65,7 @@ class _Update:
     buckets: list[StagedBucket] = field(default_factory=list)  # kept for the host copy (staged only)
     ranks: list[RankReport] = field(default_factory=list)
     load_s: float = 0.0
+    adapter: dict[str, Any] | None = None  # an adapter update: its tensors as they arrive (nothing reaches the workers)
 
 
 class InferenceServer(EngineGate):
@@ -96,6 +102,11 @@ class InferenceServer(EngineGate):
         self._generated = 0  # sequences generated (rollouts served) since start
         self._degraded: str | None = None
         self._ledger = Ledger(self.name, self.config.serve.history)
+        lora_config = getattr(self.llm.llm_engine.vllm_config, "lora_config", None)
+        self.max_lora_rank: int | None = lora_config.max_lora_rank if lora_config is not None else None
+        self._adapters: dict[str, ServedAdapter] = {}  # adapter name -> the newest verified version vLLM serves
+        self._lora_ids = 0  # the last LoRA id given to vLLM (each adapter version gets a new one)
+        self._lora_dir: Path | None = None  # PEFT directories of the served adapter versions (made on first use)
         self._host_copy: Any = None
         if self.config.sync.host_copy:
             from inference_side.host_copy import HostCopy
@@ -132,6 +143,7 @@ class InferenceServer(EngineGate):
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],
             "sessions": self.receiver.summary(),
             "host_copy": self._host_copy is not None,
+            "adapters": {n: a.to_dict() for n, a in sorted(self._adapters.items())},
             "sequences_generated": self._generated,
             "cores": {"workers": [r["cpus"] for r in self.setup], "worker_pids": [r["pid"] for r in self.setup],
                       "receiver": self.receiver.cores()},
@@ -140,11 +152,17 @@ class InferenceServer(EngineGate):
     def records(self) -> list[dict[str, Any]]:
         return self._ledger.dicts()
 
+    def adapter_version(self, name: str) -> int | None:
+        """The newest verified version of LoRA adapter ``name`` that the engine serves (None: none)."""
+        served = self._adapters.get(name)
+        return served.version if served is not None else None
+
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, logprobs: int | None = None,
-                 temperature: float = 0.0, seed: int | None = None) -> list[dict[str, Any]]:
+                 temperature: float = 0.0, seed: int | None = None, adapter: str | None = None) -> list[dict[str, Any]]:
         """Token-id prompts in, one dict per prompt out: ``token_ids``, each sampled token's logprob
         (``logprobs``, when asked) and ``version``, the weight version that produced them (no update runs
-        during a call, so one call's outputs share one version). Greedy by default."""
+        during a call, so one call's outputs share one version). Greedy by default. ``adapter`` names a LoRA
+        adapter: its newest verified version applies, given as ``adapter_version`` (None without one)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
@@ -153,7 +171,15 @@ class InferenceServer(EngineGate):
             if self._degraded:
                 raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
             version = self._version
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            lora, adapter_version = None, None
+            if adapter is not None:
+                served = self._adapters.get(adapter)
+                if served is None:
+                    raise UnknownAdapter(f"engine {self.name} serves no version of adapter {adapter!r} "
+                                         f"(it serves: {sorted(self._adapters) or 'none'})")
+                lora, adapter_version = self._lora_request(served), served.version
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                     lora_request=lora)
             self._generated += len(outs)
         result = []
         for out in outs:
@@ -161,7 +187,8 @@ class InferenceServer(EngineGate):
             lps = None
             if logprobs is not None and comp.logprobs is not None:
                 lps = [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs, strict=True)]
-            result.append({"token_ids": list(comp.token_ids), "logprobs": lps, "version": version})
+            result.append({"token_ids": list(comp.token_ids), "logprobs": lps, "version": version,
+                           "adapter_version": adapter_version})
         return result
 
     def score(self, sequences: list[list[int]]) -> list[dict[str, Any]]:
@@ -193,6 +220,10 @@ class InferenceServer(EngineGate):
 
     def shutdown(self) -> None:
         self.receiver.stop()
+        if self._lora_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     # ---- EngineGate (inference_side/contract.py) ---------------------------------------------------
     @staticmethod
@@ -207,6 +238,8 @@ class InferenceServer(EngineGate):
                                transports=self._transports(), host=socket.gethostname())
 
     def validate(self, manifest: wire.Manifest) -> str | None:
+        if manifest.adapter is not None:
+            return validate_adapter(manifest, self.table, self.max_lora_rank, self.adapter_version(manifest.adapter.name))
         return validate_manifest(manifest, self.table, self.dtype, self._version, self._degraded)
 
     def begin(self, manifest: wire.Manifest) -> None:
@@ -214,6 +247,14 @@ class InferenceServer(EngineGate):
             if self._update is not None:  # an update the receiver never closed (it always does): end it first
                 self._close(self._update, (FailureKind.ABORTED, "superseded by a newer update"))
             update = self._update = _Update(manifest, time.perf_counter())
+            if manifest.adapter is not None:
+                update.adapter = {}
+                served = self.adapter_version(manifest.adapter.name)
+                if served is not None and manifest.version <= served:
+                    update.failure = (FailureKind.VERSION, f"VersionError: adapter {manifest.adapter.name} version "
+                                      f"{manifest.version} is not newer than the served version {served} (applied "
+                                      f"meanwhile by another update)")
+                return
             if manifest.version < self._version or (manifest.version == self._version and not self._degraded):
                 # another update (a second publisher) got there first while this one was staged
                 update.failure = (FailureKind.VERSION, f"VersionError: version {manifest.version} is not newer than the "
@@ -225,9 +266,13 @@ class InferenceServer(EngineGate):
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         with self._engine:
             update = self._update
-            if update is None or update.manifest.version != manifest.version:
+            if not self._open_for(update, manifest):
                 return LoadResult(f"bucket {bucket.index} of version {manifest.version} arrived outside its update",
                                   FailureKind.WIRE)
+            if update.adapter is not None:  # held here until finish: the served adapter is untouched till then
+                if update.failure is None:
+                    update.adapter.update(bucket_tensors(bucket.segment.buffer, bucket.specs))
+                return LoadResult(update.failure[1], update.failure[0]) if update.failure else LoadResult()
             if update.failure is None:
                 t0 = time.perf_counter()
                 update.loaded = True
@@ -246,8 +291,13 @@ class InferenceServer(EngineGate):
     def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
         with self._engine:
             update = self._update
-            if update is None or update.manifest.version != manifest.version:
+            if not self._open_for(update, manifest):
                 return ApplyResult(False, f"no update of version {manifest.version} is open", FailureKind.WIRE)
+            if update.adapter is not None:
+                try:
+                    return self._finish_adapter(update, timings)
+                finally:
+                    self._end(update)
             t0 = time.perf_counter()
             if update.failure is None:
                 finished = self._rpc("wb_finish")
@@ -276,11 +326,74 @@ class InferenceServer(EngineGate):
     def abort(self, manifest: wire.Manifest, reason: str) -> None:
         with self._engine:
             update = self._update
-            if update is None or update.manifest.version != manifest.version:
+            if not self._open_for(update, manifest):
                 return
-            reason = self._close(update, (FailureKind.ABORTED, reason))
+            if update.adapter is None:
+                reason = self._close(update, (FailureKind.ABORTED, reason))
+            else:  # nothing of it reached vLLM
+                self._end(update)
             self._ledger.failed(manifest.version, FailureKind.ABORTED,
-                                f"{'streaming ' if self.config.sync.mode == 'streaming' else ''}update aborted: {reason}")
+                                f"{'streaming ' if self.config.sync.mode == 'streaming' else ''}update aborted: {reason}",
+                                adapter=manifest.adapter.name if manifest.adapter else "")
+
+    @staticmethod
+    def _open_for(update: _Update | None, manifest: wire.Manifest) -> TypeGuard[_Update]:
+        """``update`` is the one of ``manifest`` (an adapter's versions count apart from the base's)."""
+        if update is None or update.manifest.version != manifest.version:
+            return False
+        ours, theirs = update.manifest.adapter, manifest.adapter
+        return (ours.name if ours else None) == (theirs.name if theirs else None)
+
+    # ---- LoRA adapters (inference_side/lora.py) ------------------------------------------------------
+    @staticmethod
+    def _lora_request(served: ServedAdapter) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        # vLLM tells LoRA requests apart by name: each version gets its own (and its own id)
+        return LoRARequest(lora_name=f"{served.name}@v{served.version}", lora_int_id=served.lora_id, lora_path=served.path)
+
+    def _finish_adapter(self, update: _Update, timings: dict[str, float]) -> ApplyResult:
+        """Write the verified adapter into a fresh PEFT directory, register it with vLLM under a new LoRA id,
+        then retire the previous version's id. Refused (vLLM would not load it): the previous version serves on."""
+        import shutil
+        import tempfile
+
+        manifest, adapter = update.manifest, update.manifest.adapter
+        assert adapter is not None and update.adapter is not None
+        t0 = time.perf_counter()
+
+        def done(ok: bool, reason: str = "", kind: FailureKind | None = None) -> ApplyResult:
+            return self._record(manifest, ok, reason, {"apply": time.perf_counter() - t0}, timings, [], kind=kind)
+
+        if update.failure is not None:
+            return done(False, update.failure[1], update.failure[0])
+        missing = [s.name for s in manifest.tensors if s.name not in update.adapter]
+        if missing:
+            return done(False, f"adapter {adapter.name}: tensors never loaded: {missing[:5]}", FailureKind.WIRE)
+        if self._lora_dir is None:
+            self._lora_dir = Path(tempfile.mkdtemp(prefix=f"wb-lora-{self.name}-"))
+        self._lora_ids += 1
+        path = self._lora_dir / f"{adapter.name}-v{manifest.version}-id{self._lora_ids}"
+        new = ServedAdapter(adapter.name, manifest.version, self._lora_ids, str(path), adapter.rank, adapter.target_modules)
+        try:
+            write_peft_dir(path, adapter.config, update.adapter)
+            if not self.llm.llm_engine.add_lora(self._lora_request(new)):
+                raise ManifestError("vLLM did not register it")
+        except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, named; the previous version serves on
+            shutil.rmtree(path, ignore_errors=True)
+            old = self._adapters.get(adapter.name)
+            keeps = f"version {old.version} serves on" if old else "no version of it is served"
+            return done(False, f"adapter {adapter.name} version {manifest.version} could not be loaded by "
+                        f"vLLM: {type(exc).__name__}: {exc} ({keeps})", FailureKind.LOAD)
+        old = self._adapters.get(adapter.name)
+        self._adapters[adapter.name] = new
+        if old is not None:
+            try:
+                self.llm.llm_engine.remove_lora(old.lora_id)
+            except Exception as exc:  # noqa: BLE001 - the new version serves; the old id only lingers
+                logger.warning("%s: removing LoRA id %s (%s v%s) failed: %s", self.name, old.lora_id, old.name, old.version, exc)
+            shutil.rmtree(old.path, ignore_errors=True)
+        return done(True)
 
     # ---- one update: internals -----------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[RankReport]:

@@ -44,10 +44,16 @@ _SPECS = (
 )
 _MANIFEST = wire.Manifest(version=5, tensors=_SPECS, bucket_sizes=(80, 70), publisher="t", transport="zmq",
                           probe=wire.ProbeSpec(((1, 2, 3),), ((-0.5, -1.5),)))
+_ADAPTER = wire.Manifest(
+    version=2, bucket_sizes=(128,), publisher="t", adapter=wire.AdapterSpec("math", {
+        "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "bias": "none", "rank_pattern": {}}),
+    tensors=(wire.TensorSpec("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "bfloat16", (2, 8), 0, 0, 32),
+             wire.TensorSpec("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", "bfloat16", (8, 2), 0, 64, 32)))
 SAMPLES: list[wire.Message] = [
     wire.Hello(publisher="trainer"),
     wire.EngineInfo(dtype="bfloat16", version=4, tp_size=2, transports=("zmq", "shm"), host="h"),
     wire.Begin(_MANIFEST),
+    wire.Begin(_ADAPTER),
     wire.BucketHeader(version=5, index=1, checksums=(1, 2), segment="wb-x"),
     wire.LinkOffer(link="ab12", backend="gloo", host="127.0.0.1", port=29500, rank=1, world=3),
     wire.End(version=5),
@@ -153,7 +159,7 @@ def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 def test_decode_valid_message_with_one_field_replaced(data: st.DataObject) -> None:
     """Take a valid header, replace one node anywhere in it (a field, a tensor entry, a dim, a probe
     logprob, the probe itself...) with an arbitrary value, or delete a map key."""
-    tree = _wire_dict(data.draw(st.sampled_from([*SAMPLES, *[wire.Begin(_MANIFEST)] * 4])))  # manifests: most nodes
+    tree = _wire_dict(data.draw(st.sampled_from([*SAMPLES, *[wire.Begin(_MANIFEST)] * 4, *[wire.Begin(_ADAPTER)] * 2])))  # manifests: most nodes
     path = data.draw(st.sampled_from(_paths(tree)))
     if not path:
         tree = data.draw(VALUES)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bridge import wire
+from bridge.errors import ConfigError
 from bridge.sender import EngineReport, PublishReport, UpdateSender
 from bridge.transports.base import OutgoingBucket
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
@@ -25,15 +26,23 @@ class WeightPublisher(UpdateSender):
 
     # ---- publish ------------------------------------------------------------------------------
     def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int,
-                probe: wire.ProbeSpec | None = None) -> PublishReport:
-        """Send one version to every engine; return after each applied it, raise UpdateFailed otherwise."""
+                probe: wire.ProbeSpec | None = None, adapter: wire.AdapterSpec | None = None) -> PublishReport:
+        """Send one version to every engine; return after each applied it, raise UpdateFailed otherwise.
+
+        With ``adapter``, ``weights`` are that LoRA adapter's tensors alone, named as PEFT saves them
+        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ...), and ``version`` is the
+        adapter's own (each adapter counts its versions apart from the base's): engines started with LoRA
+        enabled serve it under ``adapter.name`` once verified; the base weights are not touched."""
+        if adapter is not None and probe is not None:
+            raise ConfigError("a probe scores the base weights: publish an adapter without one")
         t_start = time.perf_counter()
         self._current = version
         dtype = self._agreed_dtype()
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
-                                 publisher=self.name, transport=self.transport, probe=probe, checksum=self._checksum())
+                                 publisher=self.name, transport=self.transport, probe=probe, checksum=self._checksum(),
+                                 adapter=adapter)
         plane = self._plane()
 
         def pack(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:

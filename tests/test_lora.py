@@ -1,0 +1,235 @@
+"""LoRA adapters as versions (issue 23, first slice): an engine started with LoRA enabled takes adapter
+versions over the bridge and then generates exactly as a plain vLLM engine that loads the same PEFT
+directory itself; its base outputs stay as they were; bad adapters are refused with their reason and the
+previous adapter version keeps serving."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge import wire
+from tests.helpers import PROMPTS, assert_same_outputs, child_env
+from tests.rawclient import RawClient
+
+pytestmark = pytest.mark.engine
+
+MAX_RANK = 8
+NAME = "math"
+TARGETS = ("q_proj", "v_proj")
+LAYERS = 2  # the tiny dense model: hidden 128, 2 layers, q_proj and v_proj [128, 128]
+HIDDEN = 128
+PREFIX = "base_model.model.model.layers.{layer}.self_attn.{module}"
+
+
+def adapter_tensors(seed: int, rank: int = 4, targets: tuple[str, ...] = TARGETS, poison: str = "") -> dict[str, Any]:
+    """A PEFT LoRA adapter's tensors (bfloat16, as the engine takes them): A ``[rank, in]``, B ``[out, rank]``
+    per target module per layer, large enough to change the greedy tokens. ``poison`` names one that is NaN."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(LAYERS):
+        for module in targets:
+            base = PREFIX.format(layer=layer, module=module)
+            out[f"{base}.lora_A.weight"] = (0.5 * torch.randn(rank, HIDDEN, generator=gen)).to(torch.bfloat16)
+            out[f"{base}.lora_B.weight"] = (0.5 * torch.randn(HIDDEN, rank, generator=gen)).to(torch.bfloat16)
+    if poison:
+        out[poison] = torch.full_like(out[poison], float("nan"))
+    return out
+
+
+def adapter_spec(rank: int = 4, targets: tuple[str, ...] = TARGETS, name: str = NAME) -> wire.AdapterSpec:
+    return wire.AdapterSpec(name, {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+                                   "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none"})
+
+
+def peft_dir(directory: Path, tensors: dict[str, Any], spec: wire.AdapterSpec) -> Path:
+    """The adapter as PEFT saves it, for the oracle to load through vLLM's own LoRARequest."""
+    from inference_side.lora import write_peft_dir
+
+    return write_peft_dir(directory, spec.config, tensors)
+
+
+def gen(actor: Any, adapter: str | None = None) -> list[dict[str, Any]]:
+    import ray
+
+    return ray.get(actor.generate.remote(PROMPTS, max_tokens=8, logprobs=1, adapter=adapter), timeout=600)
+
+
+def publish(endpoint: str, tensors: dict[str, Any], version: int, spec: wire.AdapterSpec | None = None,
+            transport: str | None = None) -> Any:
+    from trainer_side import WeightPublisher
+
+    with WeightPublisher([endpoint], transport=transport) as pub:
+        return pub.publish(list(tensors.items()), version=version, adapter=spec or adapter_spec())
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def lora_engine(request: Any, ray_session: Any, checkpoints: Any, tmp_path_factory: Any) -> Any:
+    from inference_side import InferenceActor
+
+    base = checkpoints("tiny", 1)
+    actor = InferenceActor.remote(model=str(base), tensor_parallel_size=request.param, dtype="bfloat16",
+                                  enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2)
+    endpoint = ray_session.get(actor.endpoint.remote(), timeout=900)
+    yield {"actor": actor, "endpoint": endpoint, "base": base, "tp": request.param,
+           "dir": tmp_path_factory.mktemp(f"adapters-tp{request.param}")}
+    ray_session.get(actor.shutdown.remote())
+    ray_session.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def served(lora_engine: Any) -> Any:
+    """Two adapter versions published over the bridge (v1 over ZMQ, v2 over shared memory), checked against
+    the oracle; the engine serves v2."""
+    import ray
+
+    from devtools.coldload import cold_lora_outputs
+
+    actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
+    spec = adapter_spec()
+    v1, v2 = adapter_tensors(11), adapter_tensors(12)
+    dirs = [peft_dir(lora_engine["dir"] / f"v{i}", t, spec) for i, t in ((1, v1), (2, v2))]
+    cold = cold_lora_outputs(str(lora_engine["base"]), [str(d) for d in dirs], lora_engine["tp"], "bfloat16", PROMPTS,
+                             max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
+    base_before = gen(actor)
+    got = {}
+    for version, tensors, transport in ((1, v1, "zmq"), (2, v2, "shm")):
+        report = publish(endpoint, tensors, version, spec, transport)
+        assert report.ok and all(e.ok for e in report.engines), report
+        assert ray.get(actor.adapter_version.remote(NAME)) == version
+        got[version] = gen(actor, NAME)
+    return {"cold": cold, "dirs": dirs, "got": got, "base_before": base_before, "v2": v2, "spec": spec}
+
+
+def test_adapter_versions_match_vllm_loading_the_peft_directory(lora_engine: Any, served: Any) -> None:
+    cold, got = served["cold"], served["got"]
+    for version, directory in ((1, served["dirs"][0]), (2, served["dirs"][1])):
+        assert_same_outputs(got[version], cold[str(directory)])
+        assert [o["adapter_version"] for o in got[version]] == [version] * len(PROMPTS)
+    base = cold["base"]
+    for version in (1, 2):  # the adapter changes what the engine says, and each version differently
+        assert [o["token_ids"] for o in got[version]] != [o["token_ids"] for o in base]
+    assert [o["token_ids"] for o in got[1]] != [o["token_ids"] for o in got[2]]
+
+
+def test_base_outputs_unchanged(lora_engine: Any, served: Any) -> None:
+    after = gen(lora_engine["actor"])
+    assert after == served["base_before"]
+    assert_same_outputs(after, served["cold"]["base"])
+    assert all(o["adapter_version"] is None and o["version"] == 0 for o in after)
+
+
+def test_status_and_records_show_the_adapter(lora_engine: Any, served: Any) -> None:
+    import ray
+
+    status = ray.get(lora_engine["actor"].status.remote())
+    assert status["version"] == 0
+    assert status["adapters"][NAME]["version"] == 2 and status["adapters"][NAME]["rank"] == 4
+    records = [r for r in ray.get(lora_engine["actor"].records.remote()) if r["adapter"] == NAME and r["ok"]]
+    assert [(r["version"], r["transport"]) for r in records][:2] == [(1, "zmq"), (2, "shm")]
+
+
+def _one_tp(lora_engine: Any) -> None:
+    if lora_engine["tp"] != 1:
+        pytest.skip("decided on the receiver and the engine's validation, the same at every TP size")
+
+
+def test_generate_with_an_unknown_adapter_is_refused(lora_engine: Any) -> None:
+    import ray
+
+    _one_tp(lora_engine)
+    with pytest.raises(ray.exceptions.RayTaskError, match="serves no version of adapter 'nope'"):
+        gen(lora_engine["actor"], "nope")
+
+
+# ---- refusals: each names its problem; the previous adapter version keeps serving -----------------
+
+def _poisoned() -> dict[str, Any]:
+    return adapter_tensors(13, poison=PREFIX.format(layer=1, module="v_proj") + ".lora_B.weight")
+
+
+REFUSALS = {
+    "rank too large": (lambda: adapter_tensors(14, rank=16), lambda: adapter_spec(rank=16),
+                       f"adapter {NAME}: rank r=16 is larger than the engine's max_lora_rank {MAX_RANK}"),
+    "unknown target module": (lambda: adapter_tensors(15, targets=("q_proj", "w_proj")),
+                              lambda: adapter_spec(targets=("q_proj", "w_proj")),
+                              f"adapter {NAME}: unknown target module 'w_proj': the model has no such linear layer"),
+    "shape": (lambda: {k: v[:, :64] if k.endswith("lora_A.weight") else v for k, v in adapter_tensors(16).items()},
+              adapter_spec, "does not match [4, 128] (rank 4, base weight [128, 128])"),
+    "NaN": (_poisoned, adapter_spec,
+            "tensor base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight: holds NaN or Inf"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_bad_adapter_refused_and_previous_version_serves(lora_engine: Any, served: Any, case: str) -> None:
+    import ray
+
+    from bridge.errors import UpdateFailed
+
+    _one_tp(lora_engine)
+    actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
+    before = gen(actor, NAME)
+    make, spec, expected = REFUSALS[case]
+    with pytest.raises(UpdateFailed) as info:
+        publish(endpoint, make(), 3, spec())
+    assert expected in info.value.reasons[endpoint], info.value.reasons
+    assert ray.get(actor.adapter_version.remote(NAME)) == 2
+    assert gen(actor, NAME) == before
+    assert_same_outputs(before, served["cold"][str(served["dirs"][1])])
+
+
+def test_flipped_checksum_refused_and_previous_version_serves(lora_engine: Any, served: Any) -> None:
+    """A raw publisher sends a valid adapter manifest and a bucket whose checksum is off by one bit."""
+    import ray
+    import torch
+
+    _one_tp(lora_engine)
+    actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
+    before = gen(actor, NAME)
+    name_a = PREFIX.format(layer=0, module="q_proj") + ".lora_A.weight"
+    name_b = PREFIX.format(layer=0, module="q_proj") + ".lora_B.weight"
+    a = torch.full((4, HIDDEN), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    b = torch.full((HIDDEN, 4), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    manifest = wire.Manifest(version=3, bucket_sizes=(len(a) + len(b),), adapter=adapter_spec(),
+                             tensors=(wire.TensorSpec(name_a, "bfloat16", (4, HIDDEN), 0, 0, len(a)),
+                                      wire.TensorSpec(name_b, "bfloat16", (HIDDEN, 4), 0, len(a), len(b))))
+    client = RawClient(endpoint, identity=b"bad-adapter-checksum")
+    try:
+        client.send(wire.Begin(manifest))
+        client.until(wire.Credit)
+        client.send(wire.BucketHeader(version=3, index=0, checksums=(zlib.crc32(a) ^ 1, zlib.crc32(b))), a + b)
+        ack: wire.Ack = client.until(wire.Ack)
+    finally:
+        client.close()
+    assert not ack.ok
+    assert f"tensor {name_a}: checksum mismatch" in ack.reason, ack.reason
+    assert ray.get(actor.adapter_version.remote(NAME)) == 2
+    assert gen(actor, NAME) == before
+
+
+def test_same_adapter_version_with_other_weights_is_a_conflict(lora_engine: Any, served: Any) -> None:
+    """Re-sending the served adapter version: the same weights are a checked no-op; other weights are a
+    VersionConflict, and the served version keeps serving. An older version is refused."""
+    import ray
+
+    from bridge.errors import UpdateFailed
+
+    _one_tp(lora_engine)
+    actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
+    before = gen(actor, NAME)
+    (again,) = publish(endpoint, served["v2"], 2, served["spec"]).engines
+    assert again.noop and again.engine.get("content_checked") is True
+    with pytest.raises(UpdateFailed) as info:
+        publish(endpoint, adapter_tensors(99), 2, served["spec"])
+    assert info.value.reasons[endpoint].startswith("VersionConflict: version 2 is already served with different weights")
+    with pytest.raises(UpdateFailed) as older:
+        publish(endpoint, adapter_tensors(98), 1, served["spec"])
+    assert f"adapter {NAME}: version 1 is older than the served version 2" in older.value.reasons[endpoint]
+    assert ray.get(actor.adapter_version.remote(NAME)) == 2
+    assert gen(actor, NAME) == before
