@@ -6,12 +6,9 @@ op ``vllm``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import sys
-import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,38 +22,19 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """One ``vllm serve`` process on ``port`` (0: a free one), its output in ``log``."""
+    """One ``vllm serve`` process (devtools/serve.py) on ``port`` (0: a free one), its output in ``log``."""
 
     def __init__(self, ckpt: Path, log: Path, port: int = 0, startup_s: float = 900.0) -> None:
-        import requests
+        from devtools.serve import served
 
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env["VLLM_SERVER_DEV_MODE"] = "1"
-        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self._stack = ExitStack()
         # the engine settings of the InferenceActor rows (inference_side/engine.py: start_llm)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
-             "--tensor-parallel-size", "1", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
-             "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
-             "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        deadline = time.monotonic() + startup_s
-        while True:
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text()[-3000:]
-                self.close()
-                raise RuntimeError(f"vllm serve did not come up (rc={self.proc.poll()}):\n{tail}")
-            time.sleep(1)
+        self.url = self._stack.enter_context(served(ckpt, self.port, log, extra=("--skip-tokenizer-init",), env=env,
+                                                    start_timeout_s=startup_s))
 
     def weight_version(self) -> str:
         """What ``/weight_info`` names as the served version."""
@@ -65,14 +43,7 @@ class ServeProcess:
         return str(requests.get(f"{self.url}/weight_info", timeout=30).json()["weight_version"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self._log.close()
+        self._stack.close()
 
 
 def serve_config(transport: str, mode: str, bucket_mb: float) -> dict[str, Any]:

@@ -152,37 +152,11 @@ def generate(actor: Any, prompts: list[list[int]] = PROMPTS) -> list[dict[str, A
 
 
 @contextmanager
-def vllm_serve(ckpt: Path, port: int, log_path: Path, tp: int = 1, startup_s: float = 420) -> Iterator[str]:
-    """``vllm serve`` (``python -m vllm.entrypoints.openai.api_server``, dev mode, bfloat16, eager) on ``ckpt``
-    with the ``weight_bridge`` weight-transfer backend, on 127.0.0.1:``port``; yields its base URL once
-    ``/health`` answers, stops it afterwards."""
-    import requests
+def vllm_serve(ckpt: Path, port: int, log_path: Path, tp: int = 1, startup_s: float = 420,
+               extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """``vllm serve`` with the ``weight_bridge`` backend on ``ckpt`` (devtools/serve.py), this checkout first on
+    its ``PYTHONPATH``; yields its base URL once ``/health`` answers, stops it afterwards."""
+    from devtools.serve import served
 
-    env = child_env(VLLM_SERVER_DEV_MODE="1")
-    if tp > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
-             "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
-             "--tensor-parallel-size", str(tp), "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + startup_s
-            while True:
-                try:
-                    if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"vllm serve did not come up: {log_path.read_text()[-3000:]}")
-                time.sleep(1)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with served(ckpt, port, log_path, tp=tp, extra=extra, env=child_env(), start_timeout_s=startup_s) as url:
+        yield url

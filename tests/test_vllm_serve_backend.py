@@ -12,10 +12,6 @@ TP 1, tiny GPT-OSS at TP 2)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.fault_worker import FAULT_WORKER
-from tests.helpers import PROMPTS, ROOT, assert_same_outputs, child_env, free_port, oracle
+from tests.helpers import PROMPTS, assert_same_outputs, free_port, oracle, vllm_serve
 
 pytestmark = pytest.mark.engine
 LONG = list(range(1, 49))  # a longer prompt, served before and after the update
@@ -31,7 +27,6 @@ LONG = list(range(1, 49))  # a longer prompt, served before and after the update
 
 @pytest.fixture(scope="module", params=[("tiny", 1), ("gpt_oss", 2)], ids=["qwen2-tp1", "gpt_oss-tp2"])
 def server(request: Any, tmp_path_factory: Any) -> Any:
-    import requests
 
     from devtools.tiny_models import build_model, save_checkpoint, save_word_tokenizer
 
@@ -40,34 +35,9 @@ def server(request: Any, tmp_path_factory: Any) -> Any:
     ckpt = save_checkpoint(model, tmp_path_factory.mktemp(f"serve-{kind}"))
     save_word_tokenizer(ckpt, model.config.vocab_size)
     port = free_port()
-    env = child_env(VLLM_SERVER_DEV_MODE="1")
-    if tp > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
-         "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
-         "--tensor-parallel-size", str(tp), "--enable-scale-out", "--worker-extension-cls", FAULT_WORKER, "--weight-transfer-config", json.dumps({"backend": "weight_bridge"})],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 420
-    while True:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"vllm serve did not come up: {Path(log.name).read_text()[-3000:]}")
-        time.sleep(1)
-    yield {"url": url, "kind": kind, "tp": tp, "ckpt": ckpt, "port": port}
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    extra = ("--enable-scale-out", "--worker-extension-cls", FAULT_WORKER)
+    with vllm_serve(ckpt, port, tmp_path_factory.mktemp("serve-log") / "server.log", tp=tp, extra=extra) as url:
+        yield {"url": url, "kind": kind, "tp": tp, "ckpt": ckpt, "port": port}
 
 
 def _complete(server: Any, prompts: list[list[int]] = PROMPTS) -> list[dict[str, Any]]:
