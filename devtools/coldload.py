@@ -30,12 +30,7 @@ def cold_outputs(models: list[str], tp: int, dtype: str, prompts: list[list[int]
            "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens)]
     for m in models:
         cmd += ["--model", m]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
-    if line is None:
-        raise ColdLoadError(f"cold-loaded engine failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
-    result: dict[str, list[dict[str, Any]]] = json.loads(line[len(MARK):])
-    return result
+    return _run(cmd, env, timeout_s, "cold-loaded engine")
 
 
 def cold_lora_outputs(model: str, loras: list[str], tp: int, dtype: str, prompts: list[list[int]], max_lora_rank: int = 8,
@@ -48,10 +43,15 @@ def cold_lora_outputs(model: str, loras: list[str], tp: int, dtype: str, prompts
            "--max-loras", str(max_loras)]
     for lora in loras:
         cmd += ["--lora", lora]
+    return _run(cmd, env, timeout_s, "cold-loaded LoRA engine")
+
+
+def _run(cmd: list[str], env: dict[str, str] | None, timeout_s: float, what: str) -> dict[str, list[dict[str, Any]]]:
+    """Run one cold-load subprocess; the outputs it printed after ``MARK``."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
     if line is None:
-        raise ColdLoadError(f"cold-loaded LoRA engine failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
+        raise ColdLoadError(f"{what} failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, list[dict[str, Any]]] = json.loads(line[len(MARK):])
     return result
 
