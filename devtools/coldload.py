@@ -30,7 +30,7 @@ def cold_outputs(models: list[str], tp: int, dtype: str, prompts: list[list[int]
            "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens)]
     for m in models:
         cmd += ["--model", m]
-    return _run(cmd, env, timeout_s, "cold-loaded engine")
+    return _run_oracle(cmd, env, timeout_s, "cold-loaded engine")
 
 
 def cold_lora_outputs(model: str, loras: list[str], tp: int, dtype: str, prompts: list[list[int]], max_lora_rank: int = 8,
@@ -43,10 +43,10 @@ def cold_lora_outputs(model: str, loras: list[str], tp: int, dtype: str, prompts
            "--max-loras", str(max_loras)]
     for lora in loras:
         cmd += ["--lora", lora]
-    return _run(cmd, env, timeout_s, "cold-loaded LoRA engine")
+    return _run_oracle(cmd, env, timeout_s, "cold-loaded LoRA engine")
 
 
-def _run(cmd: list[str], env: dict[str, str] | None, timeout_s: float, what: str) -> dict[str, list[dict[str, Any]]]:
+def _run_oracle(cmd: list[str], env: dict[str, str] | None, timeout_s: float, what: str) -> dict[str, list[dict[str, Any]]]:
     """Run one cold-load subprocess; the outputs it printed after ``MARK``."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
