@@ -101,6 +101,15 @@ class _Call:
             self.done.set_result(value)
 
 
+def _unserved(name: str, why: str, kind: FailureKind) -> Any:
+    """The answer to a receiver's call ``name`` that no update_weights RPC ran: a failed load or finish."""
+    if name == "load":
+        return LoadResult(why, kind)
+    if name == "finish":
+        return ApplyResult(False, why, kind)
+    return None
+
+
 class _RpcGate(EngineGate):
     """The receiver's engine: validates on the receiver's thread, hands every model call to the RPC thread."""
 
@@ -185,12 +194,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 stale = self._calls.get_nowait()
             except queue.Empty:
                 break
-            if stale.name in ("load", "finish"):
-                why = "the update this call belongs to had already ended"
-                stale.answer(LoadResult(why, FailureKind.ABORTED) if stale.name == "load"
-                             else ApplyResult(False, why, FailureKind.ABORTED))
-            else:
-                stale.answer(None)
+            stale.answer(_unserved(stale.name, "the update this call belongs to had already ended", FailureKind.ABORTED))
         self._close_reload(None)
 
     def receive_weights(self, update_info: WeightBridgeUpdateInfo) -> None:
@@ -204,10 +208,9 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             try:
                 call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
             except queue.Empty:
-                self.ledger.failed(update_info.version, FailureKind.TIMEOUT,
-                                   f"version {update_info.version} did not arrive within {update_info.timeout_s}s")
-                self._failed(update_info.version, FailureKind.TIMEOUT,
-                             f"DeadlineExceeded: version {update_info.version} did not arrive within {update_info.timeout_s}s")
+                why = f"version {update_info.version} did not arrive within {update_info.timeout_s}s"
+                self.ledger.failed(update_info.version, FailureKind.TIMEOUT, why)
+                self._failed(update_info.version, FailureKind.TIMEOUT, f"DeadlineExceeded: {why}")
                 return
             outcome = self._run(call, update_info.version)
             if outcome is not None:
@@ -255,13 +258,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             return call.done.result(timeout=self._wait_s)
         except TimeoutError:
             call.done.cancel()
-        why = (f"DeadlineExceeded: no update_weights call served this update within {self._wait_s}s "
-               "(the trainer calls start_weight_update and update_weights before it publishes)")
-        if name == "load":
-            return LoadResult(why, FailureKind.TIMEOUT)
-        if name == "finish":
-            return ApplyResult(False, why, FailureKind.TIMEOUT)
-        return None
+        return _unserved(name, f"DeadlineExceeded: no update_weights call served this update within {self._wait_s}s "
+                         "(the trainer calls start_weight_update and update_weights before it publishes)", FailureKind.TIMEOUT)
 
     # ---- operations: what the dashboard polls over the receiver's endpoint (wire.StatusRequest) -------------
     def status(self) -> dict[str, Any]:

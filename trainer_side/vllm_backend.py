@@ -100,27 +100,26 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
 
         holder = threading.Thread(target=hold, name="wb-update-weights", daemon=True)
         holder.start()
+        error: BaseException | None = None
         try:
             self.last_report = publisher.publish(iter(source), version)
-        except UpdateFailed as exc:
-            holder.join(self.init_info.update_timeout_s + 30)
-            self._close_session()
-            if failure:  # the engine's own answer to update_weights, beside the acks' reasons
-                raise UpdateFailed(f"{exc}; vLLM's update_weights answered: {_answer(failure[0])}",
-                                   {**exc.reasons, "update_weights": _answer(failure[0])}, exc.kinds) from exc
-            raise
-        except BaseException:
-            holder.join(self.init_info.update_timeout_s + 30)
-            self._close_session()
-            raise
+        except BaseException as exc:  # noqa: BLE001 - raised below, once vLLM's session is closed
+            error = exc
         holder.join(self.init_info.update_timeout_s + 30)
-        if failure or holder.is_alive():
-            why = _answer(failure[0]) if failure else "update_weights did not return"
-            self._close_session()
-            raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",
-                               {"update_weights": why})
-        self.client.finish_weight_update(str(version))
-        self.version = version
+        if error is None and not failure and not holder.is_alive():
+            self.client.finish_weight_update(str(version))
+            self.version = version
+            return
+        self._close_session()
+        if isinstance(error, UpdateFailed) and failure:  # the engine's own answer to update_weights, beside the acks'
+            answered = _answer(failure[0])
+            raise UpdateFailed(f"{error}; vLLM's update_weights answered: {answered}",
+                               {**error.reasons, "update_weights": answered}, error.kinds) from error
+        if error is not None:
+            raise error
+        why = _answer(failure[0]) if failure else "update_weights did not return"
+        raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",
+                           {"update_weights": why})
 
     def _close_session(self) -> None:
         """End vLLM's update session without a version after a failed update. The worker that raised in
