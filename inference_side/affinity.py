@@ -7,7 +7,11 @@ slow the worker: the weight load in the middle of an update, or token generation
 ``pin_off_workers`` moves this process's threads and the engine's non-worker processes onto the cores no
 worker is bound to, when there are such cores (``serve.pin_off_workers``, off by default).
 
-The trade-off (figures: docs/benchmarks.md): pinned, the worker's core is its own, but a staged update's
+The receiver of vLLM's weight-transfer backend lives inside a TP worker's process; ``receiver_cores`` and
+``threads_started_on`` start it on the engine's other cores instead of the worker's binding (figures:
+docs/benchmarks.md).
+
+The trade-off of pinning (figures: docs/benchmarks.md): pinned, the worker's core is its own, but a staged update's
 verify pass can no longer borrow the worker's core while it sits idle.
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +31,36 @@ def spare_cores(available: set[int], workers: list[set[int]]) -> set[int]:
     if not workers or any(not w or w >= available for w in workers):
         return set()
     return available - set().union(*workers)
+
+
+def receiver_cores(allowed: set[int], worker: set[int], off_workers: bool) -> set[int]:
+    """The cores for a receiver that lives inside a TP worker's process (vLLM's weight-transfer backend).
+
+    vLLM binds the worker's threads to ``worker``; threads a bound thread starts inherit its binding, so a
+    receiver started from the worker's RPC thread would land, verify and take ZMQ's socket I/O on the very
+    core that loads the weights. It gets ``allowed`` (the cores the engine's other processes may use, the
+    worker's own included) instead, as the InferenceActor's receiver in a process of its own does; with
+    ``off_workers`` (``serve.pin_off_workers``) only the cores of ``allowed`` that are not the worker's, when
+    there are such cores."""
+    everywhere = allowed | worker
+    if off_workers and everywhere - worker:
+        return everywhere - worker
+    return everywhere
+
+
+@contextmanager
+def threads_started_on(cores: set[int]) -> Iterator[None]:
+    """Threads this thread starts inside the block run on ``cores`` (Linux: a new thread inherits its
+    creator's binding); this thread's own binding is restored afterwards. ``cores`` empty: no change."""
+    own = os.sched_getaffinity(0)
+    if not cores or cores == own:
+        yield
+        return
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def _pin(pid: int, cores: set[int]) -> int:

@@ -24,6 +24,7 @@ already closed, answers that call with an error the trainer expects), so ``/weig
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import time
@@ -45,6 +46,7 @@ from bridge.errors import BridgeError, ConfigError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure, parse_kind
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
+from inference_side.affinity import receiver_cores, threads_started_on
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.ledger import Ledger, RecordingGate
 from inference_side.receiver import SyncReceiver
@@ -154,6 +156,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         self.version = 0  # served over the bridge (0: the checkpoint vLLM loaded)
         self.receiver: SyncReceiver | None = None
+        self.worker_cores: set[int] = set()  # the cores vLLM bound this worker's RPC thread to
         self._calls: queue.Queue[_Call] = queue.Queue()
         self.last_failure: tuple[FailureKind, str] | None = None  # why the last update was not applied
         self._wait_s = 60.0
@@ -182,7 +185,11 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         port = init_info.base_port + self.tp_rank if init_info.base_port else 0
         gate = RecordingGate(_RpcGate(self), self.ledger, streaming=cfg.sync.mode == "streaming")
         self.receiver = SyncReceiver(gate, cfg, on_event=self._on_event, port=port, status=self.status_report)
-        endpoint = self.receiver.start()
+        # off this worker's binding: the receiver's threads (and ZMQ's I/O thread) are started from here
+        self.worker_cores = os.sched_getaffinity(0)
+        cores = receiver_cores(os.sched_getaffinity(os.getppid()), self.worker_cores, cfg.serve.pin_off_workers)
+        with threads_started_on(cores):
+            endpoint = self.receiver.start()
         self.ledger.engine = engine_name(endpoint, self.tp_rank, init_info.base_port)
         logger.info("weight_bridge: TP rank %d takes updates at %s", self.tp_rank, endpoint)
 
@@ -272,7 +279,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             "sessions": rx.summary() if rx else [],
             "last_failure": None if self.last_failure is None else {"kind": self.last_failure[0].value,
                                                                     "reason": self.last_failure[1]},
-            "cores": {"receiver": rx.cores() if rx else []},
+            "cores": {"receiver": rx.cores() if rx else [], "worker": sorted(self.worker_cores)},
         }
 
     def records(self) -> list[dict[str, Any]]:

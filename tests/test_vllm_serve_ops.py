@@ -8,6 +8,7 @@ from the command line."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -80,6 +81,20 @@ def test_the_engine_keeps_a_record_of_each_update_and_answers_over_its_receiver(
     assert ok["tensors_audited"] > 0 and ok["stale_tensors"] == [] and ok["identity_violations"] == []
     assert ok["seconds"]["total"] > 0 and ok["seconds"]["load"] > 0 and ok["seconds"]["apply"] > 0 and ok["transport"]
     assert served["poisoned"] in refused["reason"]
+
+
+def test_the_receiver_runs_beside_the_worker_not_on_its_cores(served: dict[str, Any]) -> None:
+    """vLLM binds the TP worker to its cores; the receiver living in the worker's process (and ZMQ's I/O
+    thread) must not inherit that binding, or landing and verifying would share the loading core."""
+    source = ReceiverSource(f"127.0.0.1:{BASE_PORT}", timeout_s=30)
+    try:
+        status, _ = source()
+    finally:
+        source.close()
+    worker, receiver = set(status["cores"]["worker"]), set(status["cores"]["receiver"])
+    if worker >= set(os.sched_getaffinity(0)):
+        pytest.skip(f"vLLM bound the worker to every core of this machine ({sorted(worker)})")
+    assert worker and receiver - worker, (sorted(worker), sorted(receiver))
 
 
 def test_the_dashboard_shows_the_engine_its_records_and_metrics(served: dict[str, Any]) -> None:
