@@ -233,3 +233,23 @@ def test_same_adapter_version_with_other_weights_is_a_conflict(lora_engine: Any,
     assert f"adapter {NAME}: version 1 is older than the served version 2" in older.value.reasons[endpoint]
     assert ray.get(actor.adapter_version.remote(NAME)) == 2
     assert gen(actor, NAME) == before
+
+
+def test_adapter_versions_over_ipc_and_gloo_serve_the_same_adapter(lora_engine: Any, served: Any) -> None:
+    """The adapter door takes every transport: v2's tensors published again as versions 3 (ZMQ on the
+    engine's ipc:// endpoint) and 4 (gloo, bucket by bucket point to point) serve exactly what the oracle
+    loaded for v2, and the records name each transport."""
+    import ray
+
+    _one_tp(lora_engine)
+    actor = lora_engine["actor"]
+    want = served["cold"][str(served["dirs"][1])]
+    version = ray.get(actor.adapter_version.remote(NAME))
+    for kind, transport, recorded in (("ipc", "zmq", "zmq"), ("tcp", "gloo", "gloo")):
+        version += 1
+        report = publish(ray.get(actor.endpoint.remote(kind)), served["v2"], version, served["spec"], transport)
+        assert report.ok and all(e.ok and not e.noop for e in report.engines), report
+        assert ray.get(actor.adapter_version.remote(NAME)) == version
+        assert_same_outputs(gen(actor, NAME), want)
+        record = ray.get(actor.records.remote())[-1]
+        assert (record["version"], record["ok"], record["transport"]) == (version, True, recorded), record
