@@ -4,7 +4,9 @@ started with ``--enable-lora`` takes adapter versions from vLLM's own trainer-si
 exactly as a plain vLLM engine that loads the same PEFT directory itself, for two successive versions, each
 answer naming the version that served it (``"model": "math@v2"``); its base-model answers and ``/weight_info`` stay
 as they were; bad adapters are refused with their reason over HTTP and the previous adapter version keeps
-serving; a base update leaves the adapter version served, applied to the new base. One server (tiny Qwen2, TP 1)."""
+serving; a base update leaves the adapter version served, applied to the new base. One server per TP size (tiny
+Qwen2, TP 1 and 2); the refusals, the route's checks and the base update at TP 1 only (decided on each rank's
+receiver and gate alike, the ranks agreeing as in every update)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from tests.rawclient import RawClient
 from tests.test_lora import HIDDEN, MAX_RANK, NAME, PREFIX, adapter_spec, adapter_tensors, peft_dir
 
 pytestmark = pytest.mark.engine
-SERVE_PORT, BASE_PORT = 18110, 18120  # the HTTP server; the TP rank 0 receiver
+PORTS = {1: (18110, 18120), 2: (18111, 18130)}  # TP size -> the HTTP server's port, the TP rank 0 receiver's
 ROUTE = "inference_side.vllm_adapters:AdapterRoutes"
 
 
@@ -39,8 +41,8 @@ def _endpoint_plugin_path(root: Path) -> str:
     return str(root)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: Any) -> Any:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request: Any, tmp_path_factory: Any) -> Any:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -48,6 +50,8 @@ def server(tmp_path_factory: Any) -> Any:
     from devtools.tiny_models import build_model, save_checkpoint, save_word_tokenizer
     from trainer_side.vllm_backend import WeightBridgeInitInfo
 
+    tp = request.param
+    serve_port, base_port = PORTS[tp]
     model = build_model("tiny", seed=1)
     ckpt = save_checkpoint(model, tmp_path_factory.mktemp("serve-lora"))
     save_word_tokenizer(ckpt, model.config.vocab_size)
@@ -57,10 +61,11 @@ def server(tmp_path_factory: Any) -> Any:
         env["PYTHONPATH"] += os.pathsep + extra_path
     lora = ("--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2")
     log = tmp_path_factory.mktemp("serve-lora-log") / "server.log"
-    with served(ckpt, SERVE_PORT, log, extra=lora, env=env) as url:
-        trainer = WeightTransferTrainerFactory.trainer_init(WeightBridgeInitInfo(rank=0, base_port=BASE_PORT),
-                                                            client=HTTPVLLMWeightSyncClient(url), source=None)
-        yield {"url": url, "ckpt": ckpt, "trainer": trainer, "log": log, "dir": tmp_path_factory.mktemp("adapters")}
+    with served(ckpt, serve_port, log, tp=tp, extra=lora, env=env) as url:
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            WeightBridgeInitInfo(rank=0, base_port=base_port, tp_size=tp), client=HTTPVLLMWeightSyncClient(url), source=None)
+        yield {"url": url, "ckpt": ckpt, "trainer": trainer, "log": log, "tp": tp, "base_port": base_port,
+               "dir": tmp_path_factory.mktemp("adapters")}
         trainer.shutdown()
 
 
@@ -107,7 +112,7 @@ def served(server: Any) -> Any:
     spec = adapter_spec()
     v1, v2 = adapter_tensors(11), adapter_tensors(12)
     dirs = [peft_dir(server["dir"] / f"v{i}", t, spec) for i, t in ((1, v1), (2, v2))]
-    cold = cold_lora_outputs(str(server["ckpt"]), [str(d) for d in dirs], 1, "bfloat16", PROMPTS,
+    cold = cold_lora_outputs(str(server["ckpt"]), [str(d) for d in dirs], server["tp"], "bfloat16", PROMPTS,
                              max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
     label = weight_info(server)
     base_before, _ = complete(server)
@@ -145,6 +150,11 @@ def test_base_outputs_and_version_unchanged(server: Any, served: Any) -> None:
     assert f"{NAME}@v2" in listed and f"{NAME}@v1" not in listed
 
 
+def _one_tp(server: Any) -> None:
+    if server["tp"] != 1:
+        pytest.skip("decided on each rank's receiver and gate alike: checked at TP 1")
+
+
 def _still_v2(server: Any, served: Any) -> None:
     assert served_adapters(server)[NAME]["version"] == 2
     outputs, names = complete(server, NAME)
@@ -167,6 +177,7 @@ REFUSALS = {
 def test_bad_adapter_refused_over_http_and_previous_version_serves(server: Any, served: Any, case: str) -> None:
     from bridge.errors import UpdateFailed
 
+    _one_tp(server)
     make, spec, expected = REFUSALS[case]
     with pytest.raises(UpdateFailed) as info:
         server["trainer"].send_adapter(make(), spec(), version=3)
@@ -183,6 +194,7 @@ def test_flipped_checksum_refused_over_http_and_previous_version_serves(server: 
     import torch
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
+    _one_tp(server)
     url = server["url"]
     client = HTTPVLLMWeightSyncClient(url)
     name_a = PREFIX.format(layer=0, module="q_proj") + ".lora_A.weight"
@@ -197,7 +209,7 @@ def test_flipped_checksum_refused_over_http_and_previous_version_serves(server: 
     held = threading.Thread(target=lambda: answers.append(requests.post(f"{url}/update_weights", timeout=300, json={
         "update_info": {"version": 3, "adapter": NAME, "timeout_s": 120}})), daemon=True)
     held.start()
-    raw = RawClient(f"tcp://127.0.0.1:{BASE_PORT}", identity=b"bad-adapter-checksum")
+    raw = RawClient(f"tcp://127.0.0.1:{server['base_port']}", identity=b"bad-adapter-checksum")
     try:
         raw.send(wire.Begin(manifest))
         raw.until(wire.Credit)
@@ -217,6 +229,7 @@ def test_flipped_checksum_refused_over_http_and_previous_version_serves(server: 
 def test_same_version_with_other_weights_is_a_conflict_and_older_is_refused(server: Any, served: Any) -> None:
     from bridge.errors import UpdateFailed
 
+    _one_tp(server)
     trainer = server["trainer"]
     assert trainer.send_adapter(served["v2"], served["spec"], version=2) == {"noop": True}  # same weights: a no-op
     with pytest.raises(UpdateFailed) as conflict:
@@ -233,6 +246,7 @@ def test_adapter_route_serves_only_verified_newer_versions(server: Any, served: 
 
     from bridge.vllm_plugin import ADAPTER_ROUTE
 
+    _one_tp(server)
     route = f"{server['url']}{ADAPTER_ROUTE}"
     path = served_adapters(server)[NAME]["path"]
     unmarked = served["dirs"][0]  # a PEFT directory the backend never verified
@@ -253,6 +267,7 @@ def test_base_update_keeps_the_adapter_version_on_the_new_base(server: Any, serv
     from devtools.coldload import cold_lora_outputs
     from devtools.tiny_models import build_model, save_checkpoint
 
+    _one_tp(server)
     model = build_model("tiny", seed=2)
     trainer = server["trainer"]
     trainer.source = ModuleSource(model)
