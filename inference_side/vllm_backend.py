@@ -242,8 +242,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             try:
                 call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
             except queue.Empty:
-                why = f"version {update_info.version} did not arrive within {update_info.timeout_s}s"
-                self.ledger.failed(update_info.version, FailureKind.TIMEOUT, why)
+                why = f"{_named(update_info.version, update_info.adapter)} did not arrive within {update_info.timeout_s}s"
+                self.ledger.failed(update_info.version, FailureKind.TIMEOUT, why, adapter=update_info.adapter)
                 self._failed(update_info.version, FailureKind.TIMEOUT, f"DeadlineExceeded: {why}")
                 return
             outcome = self._run(call, update_info)

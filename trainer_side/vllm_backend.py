@@ -104,7 +104,8 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         client (an ``LLM``) the answer is ``{"name", "version", "path"}``: the verified PEFT directory, for a
         ``LoRARequest``. Raises ``UpdateFailed`` naming the problem (a refused update: each worker's reason and
         ``update_weights``' answer; a refused route: ``reasons["adapter_route"]``, the HTTP status and reason); the
-        previous adapter version serves on. No pause: requests in flight keep the adapter version they began with."""
+        previous adapter version serves on (after a refused route the workers hold the version: the next one
+        follows it). No pause: requests in flight keep the adapter version they began with."""
         if not self.is_sender or self._publisher is None:
             return {}
         version = self.adapter_versions.get(adapter.name, 0) + 1 if version is None else version
@@ -112,9 +113,8 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         assert self.last_report is not None
         path = next((str(e.engine["adapter_dir"]) for e in self.last_report.engines if e.engine.get("adapter_dir")), "")
         noop = all(e.noop for e in self.last_report.engines)
-        answer = self._serve_adapter(adapter.name, version, path) if path or not noop else {"noop": True}
-        self.adapter_versions[adapter.name] = version
-        return answer
+        self.adapter_versions[adapter.name] = version  # the workers hold it: the next default version is the one after
+        return self._serve_adapter(adapter.name, version, path) if path or not noop else {"noop": True}
 
     def _serve_adapter(self, name: str, version: int, path: str) -> dict[str, Any]:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
