@@ -4,7 +4,8 @@ under the adapter's name, on the running server, without touching the base weigh
 vLLM's own runtime LoRA route (``/v1/load_lora_adapter``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) cannot give a name
 its newest version: loading again under a served name needs ``load_inplace``, which keeps the LoRA id, and vLLM
 0.32 then reloads that adapter from its directory on every engine step of every request that carries it (a
-request still on the old version reloads the old directory, so the batch flips between versions). This route
+request still on the old version reloads the old directory, so the batch flips between versions; read in vLLM's
+source: ``lora/worker_manager.py`` ``LRUCacheWorkerLoRAManager.add_adapter``). This route
 instead loads each version under its own LoRA id and name (``math@v2``) through the engine client's ``add_lora``
 (vLLM loads and checks it; a refusal leaves everything as it was), then points the served name (``math``) at it
 in one step in the server's table of adapters, and removes the previous version's id from the engine.
