@@ -70,7 +70,8 @@ class WeightBridgeInitInfo(WeightTransferInitInfo):
     """``init_weight_transfer_engine``'s ``init_info``: where this worker's receiver listens (``bind_host``,
     ``base_port`` + TP rank; 0: any free port, logged), the bridge config (a ``BridgeConfig`` as a dict) and
     ``lora_dir``, where TP rank 0 writes the LoRA adapter versions it verified (default: a fresh temporary
-    directory; the server's adapter route reads them, so it lies on the API server's host)."""
+    directory, removed when the worker exits normally; the server's adapter route reads them, so it lies on the API
+    server's host)."""
 
     base_port: int = 0
     bind_host: str = "127.0.0.1"
@@ -451,8 +452,14 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         adapter = manifest.adapter
         assert adapter is not None
         if self._lora_root is None:
-            root = Path(self._lora_dir) if self._lora_dir else Path(tempfile.mkdtemp(prefix="wb-lora-"))
-            root.mkdir(parents=True, exist_ok=True)
+            if self._lora_dir:
+                root = Path(self._lora_dir)
+                root.mkdir(parents=True, exist_ok=True)
+            else:
+                import atexit
+
+                root = Path(tempfile.mkdtemp(prefix="wb-lora-"))
+                atexit.register(shutil.rmtree, root, True)
             self._lora_root = root
         home = self._lora_root / adapter.name
         home.mkdir(exist_ok=True)

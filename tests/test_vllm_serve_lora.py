@@ -62,9 +62,11 @@ def server(request: Any, tmp_path_factory: Any) -> Any:
     lora = ("--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2")
     log = tmp_path_factory.mktemp("serve-lora-log") / "server.log"
     with served(ckpt, serve_port, log, tp=tp, extra=lora, env=env) as url:
+        lora_dir = str(tmp_path_factory.mktemp("verified-adapters"))  # where the workers write what they verified
         trainer = WeightTransferTrainerFactory.trainer_init(
-            WeightBridgeInitInfo(rank=0, base_port=base_port, tp_size=tp), client=HTTPVLLMWeightSyncClient(url), source=None)
-        yield {"url": url, "ckpt": ckpt, "trainer": trainer, "log": log, "tp": tp, "base_port": base_port,
+            WeightBridgeInitInfo(rank=0, base_port=base_port, tp_size=tp, lora_dir=lora_dir),
+            client=HTTPVLLMWeightSyncClient(url), source=None)
+        yield {"url": url, "ckpt": ckpt, "trainer": trainer, "log": log, "tp": tp, "base_port": base_port, "lora_dir": lora_dir,
                "dir": tmp_path_factory.mktemp("adapters")}
         trainer.shutdown()
 
@@ -146,6 +148,7 @@ def test_base_outputs_and_version_unchanged(server: Any, served: Any) -> None:
     assert weight_info(server) == served["label"]  # the base's version label did not move
     adapters = served_adapters(server)
     assert adapters[NAME]["version"] == 2 and adapters[NAME]["served"] == f"{NAME}@v2"
+    assert adapters[NAME]["path"] == str(Path(server["lora_dir"]) / NAME / "v2")
     listed = {m["id"] for m in requests.get(f"{server['url']}/v1/models", timeout=10).json()["data"]}
     assert f"{NAME}@v2" in listed and f"{NAME}@v1" not in listed
 

@@ -41,13 +41,16 @@ logger = logging.getLogger(__name__)
 class WeightBridgeInitInfo(TrainerInitInfo):
     """Every field but ``rank`` has a default, so ``WeightBridgeInitInfo(rank=0)`` works against a local
     engine. The workers listen on ``host``: ``base_port`` + TP rank (``tp_size`` of them); ``config`` is a
-    ``BridgeConfig`` as a dict (transport kind, sync mode, deadlines ...), sent to the workers too."""
+    ``BridgeConfig`` as a dict (transport kind, sync mode, deadlines ...), sent to the workers too; ``lora_dir``:
+    where TP rank 0 writes the LoRA adapter versions it verified, on the server's host ("": a temporary directory,
+    removed when the worker exits normally)."""
 
     backend: ClassVar[str] = BACKEND
     host: str = "127.0.0.1"
     base_port: int = 47310
     tp_size: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    lora_dir: str = ""
     first_version: int = 1
     update_timeout_s: float = 600.0
     # vllm serve (an HTTP client): pause generation this way around each update ("keep": requests in flight
@@ -76,7 +79,8 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         if engine.is_sender:
             client.init_weight_transfer_engine({"base_port": init_info.base_port, "bind_host": init_info.host,
-                                                "config": dict(init_info.config)})
+                                                "config": dict(init_info.config),
+                                                **({"lora_dir": init_info.lora_dir} if init_info.lora_dir else {})})
             engine._publisher = WeightPublisher(init_info.endpoints(), config=config_from_dict(init_info.config))
         return engine
 
