@@ -3,6 +3,10 @@
 ``register`` is the ``vllm.general_plugins`` entry point (pyproject.toml): vLLM calls it in every process it
 starts (the API server or ``LLM`` process, the engine core, each worker). The backend's classes are named by
 module path and imported only when vLLM makes one. Idempotent; never raises (a plugin that raises stops vLLM).
+
+``ADAPTER_ROUTE`` is the ``vllm serve`` route of the ``vllm.endpoint_plugins`` entry point of the same name
+(inference_side/vllm_adapters.py; vLLM loads it only when ``VLLM_PLUGINS`` names ``weight_bridge``): it makes
+a LoRA adapter version the backend verified serveable under the adapter's name.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ logger = logging.getLogger(__name__)
 BACKEND = "weight_bridge"
 WORKER_ENGINE = ("inference_side.vllm_backend", "WeightBridgeEngine")
 TRAINER_ENGINE = ("trainer_side.vllm_backend", "WeightBridgeTrainerEngine")
+ADAPTER_ROUTE = "/weight_bridge/adapters"  # POST {name, version, path}: serve a verified adapter version; GET: list
 
 
 def register() -> None:

@@ -6,7 +6,9 @@ against the engine's LoRA configuration (rank within ``max_lora_rank``, target m
 module's A ``[r, in]`` and B ``[out, r]`` against the base weight ``[out, in]``) instead of against the
 checkpoint's tensors. Once every bucket arrived verified, the engine writes the tensors and the config into a
 fresh PEFT directory (``adapter_model.safetensors`` + ``adapter_config.json``) and registers it with vLLM under a
-new LoRA id; the previous version's id serves until then.
+new LoRA id; the previous version's id serves until then. Behind ``vllm serve`` (the ``weight_bridge`` backend) the
+worker that verified it writes the directory with a marker (``MARKER``) last, and the server's adapter route
+(inference_side/vllm_adapters.py) serves only a directory whose marker names the version asked for.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA bias", "modules_to_save":
                 "layer_replication": "layer_replication", "rank_pattern": "rank_pattern",
                 "alpha_pattern": "alpha_pattern", "use_qalora": "QALoRA", "alora_invocation_tokens": "aLoRA"}
 _NOT_TARGETS = ("embed_tokens", "lm_head")
+MARKER = "weight_bridge_adapter.json"  # written last into a PEFT directory whose adapter version was verified
 
 
 @dataclass(frozen=True)
@@ -144,3 +147,40 @@ def bucket_tensors(buffer: memoryview, specs: list[wire.TensorSpec]) -> dict[str
         raw = bytearray(buffer[spec.offset: spec.offset + spec.nbytes])
         out[spec.name] = torch.frombuffer(raw, dtype=getattr(torch, spec.dtype)).reshape(spec.shape)
     return out
+
+
+def write_marker(directory: Path, name: str, version: int, rank: int, targets: tuple[str, ...]) -> None:
+    """Mark ``directory`` (complete: tensors and config written) as adapter ``name`` version ``version``,
+    verified; written to a temporary name and renamed, so a reader sees all of it or none."""
+    body = {"name": name, "version": version, "rank": rank, "target_modules": list(targets)}
+    tmp = directory / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(body, sort_keys=True))
+    tmp.replace(directory / MARKER)
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The marker of a verified adapter directory (None: none, or not readable as one)."""
+    try:
+        body = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def check_activation(marker: Mapping[str, Any] | None, path: str, name: str, version: int, served: int | None) -> str | None:
+    """Whether the adapter route may serve ``path`` as adapter ``name`` version ``version`` while ``served``
+    (None: none) is the version it serves now. Raises ``ManifestError`` when the directory is not that version
+    as the engine verified it (no marker, or a marker naming another adapter or version), ``VersionError`` for
+    a version older than the served one; returns a no-op reason for the served version itself; None: serve it."""
+    if marker is None:
+        raise ManifestError(f"adapter {name}: {path} is not an adapter directory the weight_bridge backend verified "
+                            f"(no readable {MARKER})")
+    if marker.get("name") != name or marker.get("version") != version:
+        raise ManifestError(f"adapter {name}: {path} holds adapter {marker.get('name')!r} version "
+                            f"{marker.get('version')!r}, not {name!r} version {version}")
+    if served is not None:
+        if version < served:
+            raise VersionError(f"adapter {name}: version {version} is older than the served version {served}")
+        if version == served:
+            return f"adapter {name} version {version} already served"
+    return None

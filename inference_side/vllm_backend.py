@@ -19,6 +19,13 @@ would leave the later ranks' replies to be read as the answers of the next call.
 before they end, so the last rank raises with the real reason whichever rank found it. The trainer engine then
 closes vLLM's update session with ``finish_weight_update`` and no version (the last rank, whose session vLLM
 already closed, answers that call with an error the trainer expects), so ``/weight_info`` keeps the served one.
+
+A LoRA adapter version (a manifest with an ``AdapterSpec``, ``update_info.adapter`` naming it) takes the same
+receiver, checksums, finiteness and version rules, but is checked against the engine's LoRA configuration
+(inference_side/lora.py ``validate_adapter``) and never reaches the model: its verified tensors are kept until
+``finish``, then TP rank 0 writes them as a PEFT directory with a marker (``lora.MARKER``), reported to the
+publisher as ``adapter_dir``. The base weights and their version do not move. ``vllm serve`` serves that directory
+under the adapter's name once the trainer asks the adapter route (inference_side/vllm_adapters.py).
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,6 +59,7 @@ from bridge.vllm_plugin import BACKEND
 from inference_side.affinity import receiver_cores, threads_started_on
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.ledger import Ledger, RecordingGate
+from inference_side.lora import ServedAdapter, bucket_tensors, validate_adapter, write_marker, write_peft_dir
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
 from inference_side.worker_ext import WeightSyncWorker
@@ -59,19 +70,25 @@ logger = logging.getLogger(__name__)
 @dataclass
 class WeightBridgeInitInfo(WeightTransferInitInfo):
     """``init_weight_transfer_engine``'s ``init_info``: where this worker's receiver listens (``bind_host``,
-    ``base_port`` + TP rank; 0: any free port, logged) and the bridge config (a ``BridgeConfig`` as a dict)."""
+    ``base_port`` + TP rank; 0: any free port, logged), the bridge config (a ``BridgeConfig`` as a dict) and
+    ``lora_dir``, where TP rank 0 writes the LoRA adapter versions it verified (default: a fresh temporary
+    directory, removed when the worker exits normally; the server's adapter route reads them, so it lies on the API
+    server's host)."""
 
     base_port: int = 0
     bind_host: str = "127.0.0.1"
     config: dict[str, Any] = field(default_factory=dict)
+    lora_dir: str = ""
 
 
 @dataclass
 class WeightBridgeUpdateInfo(WeightTransferUpdateInfo):
-    """``update_weights``'s ``update_info``: the version the trainer publishes now, and how long to wait for it."""
+    """``update_weights``'s ``update_info``: the version the trainer publishes now, and how long to wait for it;
+    ``adapter`` names the LoRA adapter whose version it is ("": the base weights)."""
 
     version: int = 0
     timeout_s: float = 600.0
+    adapter: str = ""
 
 
 def engine_name(endpoint: str, tp_rank: int, base_port: int = 0) -> str:
@@ -103,6 +120,10 @@ class _Call:
             self.done.set_result(value)
 
 
+def _named(version: int, adapter: str) -> str:
+    return f"adapter {adapter} version {version}" if adapter else f"version {version}"
+
+
 def _unserved(name: str, why: str, kind: FailureKind) -> Any:
     """The answer to a receiver's call ``name`` that no update_weights RPC ran: a failed load or finish."""
     if name == "load":
@@ -124,7 +145,14 @@ class _RpcGate(EngineGate):
                                transports=tuple(t for t in available_transports() if t != "nccl"), host=socket.gethostname())
 
     def validate(self, manifest: wire.Manifest) -> str | None:
-        return validate_manifest(manifest, self.engine.table, self.engine.dtype, self.engine.version)
+        e = self.engine
+        if manifest.adapter is not None:
+            noop = validate_adapter(manifest, e.table, e.max_lora_rank, e.adapter_version(manifest.adapter.name))
+        else:
+            noop = validate_manifest(manifest, e.table, e.dtype, e.version)
+        if noop:  # answered "already served" by the receiver: no lifecycle call follows, the RPC ends here
+            e.noop(manifest)
+        return noop
 
     def begin(self, manifest: wire.Manifest) -> None:
         self.engine.call("begin", manifest)
@@ -167,6 +195,12 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.host_copy: Any = None  # sync.host_copy: this worker's copy of the served weights (a full model)
         self.ledger = Ledger(f"vllm-tp{self.tp_rank}@{socket.gethostname()}")  # named after the receiver once it listens
         self.model_path = str(vllm_config.model_config.model)
+        lora_config = getattr(vllm_config, "lora_config", None)
+        self.max_lora_rank: int | None = lora_config.max_lora_rank if lora_config is not None else None
+        self.adapters: dict[str, ServedAdapter] = {}  # adapter name -> its newest verified version
+        self._lora: dict[str, Any] | None = None  # the open adapter update's verified tensors, held until finish
+        self._lora_root: Path | None = None  # where TP rank 0 writes verified adapter versions
+        self._lora_dir = ""  # WeightBridgeInitInfo.lora_dir
 
     # ---- vLLM's calls ------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WeightBridgeInitInfo) -> None:
@@ -175,6 +209,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         cfg = config_from_dict({**init_info.config, "transport": {**init_info.config.get("transport", {}),
                                                                   "bind_host": init_info.bind_host}})
         self._wait_s = cfg.deadlines.bucket_s
+        self._lora_dir = init_info.lora_dir
         if cfg.sync.host_copy and self.host_copy is None:
             if self.version != 0:
                 raise ConfigError(f"weight_bridge: sync.host_copy must be on from the first update: the copy starts "
@@ -215,11 +250,11 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             try:
                 call = self._calls.get(timeout=max(end - time.monotonic(), 0.001))
             except queue.Empty:
-                why = f"version {update_info.version} did not arrive within {update_info.timeout_s}s"
-                self.ledger.failed(update_info.version, FailureKind.TIMEOUT, why)
+                why = f"{_named(update_info.version, update_info.adapter)} did not arrive within {update_info.timeout_s}s"
+                self.ledger.failed(update_info.version, FailureKind.TIMEOUT, why, adapter=update_info.adapter)
                 self._failed(update_info.version, FailureKind.TIMEOUT, f"DeadlineExceeded: {why}")
                 return
-            outcome = self._run(call, update_info.version)
+            outcome = self._run(call, update_info)
             if outcome is not None:
                 kind, reason = outcome
                 self.last_failure = None
@@ -233,6 +268,15 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         if self.tp_rank == self.tp_size - 1:  # the last rank's reply is read last (see the module's docstring)
             raise UpdateFailed(f"weight_bridge: version {version} not applied [{kind.value}]: {reason}",
                                {f"tp{self.tp_rank}": reason}, {f"tp{self.tp_rank}": kind})
+
+    def adapter_version(self, name: str) -> int | None:
+        """The newest verified version of LoRA adapter ``name`` (None: none)."""
+        served = self.adapters.get(name)
+        return served.version if served is not None else None
+
+    def noop(self, manifest: wire.Manifest) -> None:
+        """From the receiver's thread: ``manifest`` was answered "already served"; end the RPC waiting for it."""
+        self._calls.put(_Call("noop", manifest.version, manifest.adapter.name if manifest.adapter else ""))
 
     def finish_weight_update(self) -> None:
         """Nothing to do: the update finished inside ``update_weights`` (and a repeated call must not fail)."""
@@ -277,6 +321,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             "version": self.version, "degraded": None, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
             "dtype": self.dtype, "model": self.model_path, "backend": "weight_bridge (vLLM weight transfer)",
             "sessions": rx.summary() if rx else [],
+            "adapters": {n: a.to_dict() for n, a in sorted(self.adapters.items())},  # verified versions
             "last_failure": None if self.last_failure is None else {"kind": self.last_failure[0].value,
                                                                     "reason": self.last_failure[1]},
             "cores": {"receiver": rx.cores() if rx else [], "worker": sorted(self.worker_cores)},
@@ -294,8 +339,11 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         if event in ("refused", "timeout"):
             self._calls.put(_Call("refused", data.get("kind", ""), str(data.get("reason", "")), int(data.get("version", 0))))
 
-    def _run(self, call: _Call, version: int) -> tuple[FailureKind | None, str] | None:
+    def _run(self, call: _Call, info: WeightBridgeUpdateInfo) -> tuple[FailureKind | None, str] | None:
         """Run one call; the update's outcome (kind None: applied) once it ended, else None."""
+        version = info.version
+        if call.name == "noop":
+            return (None, "") if call.args == (version, info.adapter) else None
         if call.name == "refused":
             kind, reason, refused = call.args
             if refused not in (0, version):
@@ -305,9 +353,13 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         manifest = call.args[0]
         if call.name == "begin":
             self._failure = None
-            if manifest.version != version:
-                self._failure = (FailureKind.VERSION, f"VersionError: the trainer announced version {version}, "
-                                                      f"the publisher sent {manifest.version}")
+            sent = manifest.adapter.name if manifest.adapter else ""
+            if manifest.version != version or sent != info.adapter:
+                self._failure = (FailureKind.VERSION, f"VersionError: the trainer announced {_named(version, info.adapter)}, "
+                                                      f"the publisher sent {_named(manifest.version, sent)}")
+            elif manifest.adapter is not None:  # nothing reaches the model: the tensors wait here until finish
+                self._close_reload(None)
+                self._lora = {}
             else:
                 self._close_reload(None)
                 self._open, self._loaded, self._buckets = manifest, False, []
@@ -315,6 +367,13 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             call.answer(None)
             return None
         if call.name == "load":
+            if self._lora is not None:
+                if self._failure is None:
+                    bucket = call.args[1]
+                    self._lora.update(bucket_tensors(bucket.segment.buffer, bucket.specs))
+                failure = self._failure
+                call.answer(LoadResult(failure[1], failure[0]) if failure else LoadResult())
+                return None
             if self._failure is None:
                 self._loaded = True
                 if self.host_copy is not None:
@@ -327,6 +386,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             failure = self._failure
             call.answer(LoadResult(failure[1], failure[0], held) if failure else LoadResult(held=held))
             return None
+        if call.name == "finish" and manifest.adapter is not None:
+            return self._finish_adapter(call, manifest)
         if call.name == "finish":
             self._failure = self._agree(self._failure)
             ranks: list[RankReport] = []
@@ -357,12 +418,74 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         call.answer(None)
         return FailureKind.ABORTED, reason
 
+    def _finish_adapter(self, call: _Call, manifest: wire.Manifest) -> tuple[FailureKind | None, str]:
+        """The end of an adapter update: every rank verified every tensor, then TP rank 0 writes the PEFT directory
+        (marker last) and every rank takes the version; else none does and the previous version stays."""
+        adapter, tensors = manifest.adapter, self._lora
+        assert adapter is not None
+        self._lora = None
+        t0 = time.perf_counter()
+        if self._failure is None:
+            missing = [s.name for s in manifest.tensors if tensors is None or s.name not in tensors]
+            if missing:
+                self._failure = (FailureKind.WIRE, f"adapter {adapter.name}: tensors never loaded: {missing[:5]}")
+        self._failure = self._agree(self._failure)
+        path: Path | None = None
+        if self._failure is None and self.tp_rank == 0:
+            assert tensors is not None
+            try:
+                path = self._write_adapter(manifest, tensors)
+            except Exception as exc:  # noqa: BLE001 - named in the answer; the previous version stays
+                self._failure = (FailureKind.LOAD, f"adapter {adapter.name} version {manifest.version}: writing its "
+                                 f"PEFT directory failed: {type(exc).__name__}: {exc}")
+        self._failure = self._agree(self._failure)
+        if self._failure is not None:
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+            kind, reason = self._failure
+            old = self.adapters.get(adapter.name)
+            reason += f" (version {old.version} stays)" if old else ""
+            call.answer(ApplyResult(False, reason, kind))
+            return kind, reason
+        self.adapters[adapter.name] = ServedAdapter(adapter.name, manifest.version, 0, str(path or ""), adapter.rank,
+                                                    adapter.target_modules)
+        report = {"adapter_dir": str(path or ""), "seconds": {**dict(call.args[1]), "write": time.perf_counter() - t0}}
+        call.answer(ApplyResult(True, report=report))
+        return None, ""
+
+    def _write_adapter(self, manifest: wire.Manifest, tensors: dict[str, Any]) -> Path:
+        """Write a verified adapter version as a PEFT directory, its marker last; keep the two versions before it
+        (requests admitted on them may still reload them), remove older ones."""
+        adapter = manifest.adapter
+        assert adapter is not None
+        if self._lora_root is None:
+            if self._lora_dir:
+                root = Path(self._lora_dir)
+                root.mkdir(parents=True, exist_ok=True)
+            else:
+                import atexit
+
+                root = Path(tempfile.mkdtemp(prefix="wb-lora-"))
+                atexit.register(shutil.rmtree, root, True)
+            self._lora_root = root
+        home = self._lora_root / adapter.name
+        home.mkdir(exist_ok=True)
+        path = home / f"v{manifest.version}"
+        if path.exists():  # left by a version verified here before that vLLM never served (a restarted trainer)
+            shutil.rmtree(path)
+        write_peft_dir(path, adapter.config, tensors)
+        write_marker(path, adapter.name, manifest.version, adapter.rank, adapter.target_modules)
+        kept = sorted((p for p in home.iterdir() if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        for old in kept[:-3]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
     def _close_reload(self, reason: str | None) -> str:
         """End this worker's open reload of a failed update (kernel tensors back in place); if a bucket had
         reached the model, reload the served weights from the host copy. Returns ``reason`` with what became
         of the served weights."""
         manifest, loaded = self._open, self._loaded
-        self._open, self._loaded, buckets, self._buckets = None, False, self._buckets, []
+        self._open, self._loaded, buckets, self._buckets, self._lora = None, False, self._buckets, [], None
         del buckets
         reason = reason or ""
         if manifest is None:

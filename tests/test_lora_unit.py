@@ -145,3 +145,39 @@ def test_doors_without_lora_refuse_adapters_by_name() -> None:
 
     with pytest.raises(ManifestError, match="adapter math: this engine takes no LoRA adapter updates"):
         validate_manifest(_manifest(_good()), TABLE, "bfloat16", 0)
+
+
+# ---- the vllm serve adapter route's check (inference_side/lora.py check_activation) ----------------------------
+
+def test_marker_written_last_is_read_back(tmp_path: Path) -> None:
+    from inference_side.lora import MARKER, read_marker, write_marker
+
+    assert read_marker(tmp_path) is None
+    write_marker(tmp_path, "math", 3, 4, ("q_proj", "v_proj"))
+    assert read_marker(tmp_path) == {"name": "math", "version": 3, "rank": 4, "target_modules": ["q_proj", "v_proj"]}
+    assert [p.name for p in tmp_path.iterdir()] == [MARKER]
+    (tmp_path / MARKER).write_text("[1, 2]")
+    assert read_marker(tmp_path) is None
+
+
+MARK = {"name": "math", "version": 3}
+
+
+@pytest.mark.parametrize(("marker", "version", "served", "error", "expected"), [
+    (MARK, 3, None, None, None),
+    (MARK, 3, 2, None, None),
+    (MARK, 3, 3, None, "adapter math version 3 already served"),
+    (MARK, 3, 4, VersionError, "adapter math: version 3 is older than the served version 4"),
+    (None, 3, None, ManifestError, "/d is not an adapter directory the weight_bridge backend verified"),
+    ({"name": "code", "version": 3}, 3, None, ManifestError, "/d holds adapter 'code' version 3, not 'math' version 3"),
+    (MARK, 5, None, ManifestError, "/d holds adapter 'math' version 3, not 'math' version 5"),
+], ids=["first", "newer", "same", "older", "unmarked", "other adapter", "other version"])
+def test_the_adapter_route_serves_only_a_verified_newer_version(marker: Any, version: int, served: int | None,
+                                                                  error: Any, expected: str | None) -> None:
+    from inference_side.lora import check_activation
+
+    if error is None:
+        assert check_activation(marker, "/d", "math", version, served) == expected
+    else:
+        with pytest.raises(error, match=expected):
+            check_activation(marker, "/d", "math", version, served)

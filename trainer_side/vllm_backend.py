@@ -7,6 +7,11 @@ this engine by the init info's ``backend``; it works with vLLM's clients (``HTTP
 engine's workers opened (inference_side/vllm_backend.py), while vLLM's ``update_weights`` call holds every
 worker in the update: start -> update_weights (on a helper thread) + publish -> finish(version).
 
+``send_adapter(tensors, adapter)`` publishes a LoRA adapter version the same way (only the adapter's tensors,
+verified by every worker against the engine's LoRA configuration; the base weights and their version label do
+not move), then asks ``vllm serve``'s adapter route (``bridge.vllm_plugin.ADAPTER_ROUTE``) to serve it under the
+adapter's name.
+
 Importing this module registers the backend in vLLM's factories (a trainer process does not load vLLM's
 plugins).
 """
@@ -20,10 +25,12 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
+from bridge import wire
 from bridge.config import config_from_dict
 from bridge.errors import BridgeError, UpdateFailed
+from bridge.report import FailureKind
 from bridge.sender import PublishReport
-from bridge.vllm_plugin import BACKEND, register
+from bridge.vllm_plugin import ADAPTER_ROUTE, BACKEND, register
 from trainer_side.publisher import WeightPublisher
 
 register()
@@ -34,13 +41,16 @@ logger = logging.getLogger(__name__)
 class WeightBridgeInitInfo(TrainerInitInfo):
     """Every field but ``rank`` has a default, so ``WeightBridgeInitInfo(rank=0)`` works against a local
     engine. The workers listen on ``host``: ``base_port`` + TP rank (``tp_size`` of them); ``config`` is a
-    ``BridgeConfig`` as a dict (transport kind, sync mode, deadlines ...), sent to the workers too."""
+    ``BridgeConfig`` as a dict (transport kind, sync mode, deadlines ...), sent to the workers too; ``lora_dir``:
+    where TP rank 0 writes the LoRA adapter versions it verified, on the server's host ("": a temporary directory,
+    removed when the worker exits normally)."""
 
     backend: ClassVar[str] = BACKEND
     host: str = "127.0.0.1"
     base_port: int = 47310
     tp_size: int = 1
     config: dict[str, Any] = field(default_factory=dict)
+    lora_dir: str = ""
     first_version: int = 1
     update_timeout_s: float = 600.0
     # vllm serve (an HTTP client): pause generation this way around each update ("keep": requests in flight
@@ -61,6 +71,7 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         self.init_info = init_info or WeightBridgeInitInfo(rank=0)
         self.version = self.init_info.first_version - 1
         self.last_report: PublishReport | None = None
+        self.adapter_versions: dict[str, int] = {}  # adapter name -> the last version sent and served
         self._publisher: WeightPublisher | None = None
 
     @classmethod
@@ -68,7 +79,8 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         if engine.is_sender:
             client.init_weight_transfer_engine({"base_port": init_info.base_port, "bind_host": init_info.host,
-                                                "config": dict(init_info.config)})
+                                                "config": dict(init_info.config),
+                                                **({"lora_dir": init_info.lora_dir} if init_info.lora_dir else {})})
             engine._publisher = WeightPublisher(init_info.endpoints(), config=config_from_dict(init_info.config))
         return engine
 
@@ -84,17 +96,65 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
             return
         version = self.version + 1 if version is None else version
         with _Paused(self.client, self.init_info.pause):
-            self._send(version)
+            self._send(version, self.source)
 
-    def _send(self, version: int) -> None:
-        assert self._publisher is not None and self.source is not None
-        publisher, source = self._publisher, self.source
+    def send_adapter(self, weights: Any, adapter: wire.AdapterSpec, version: int | None = None) -> dict[str, Any]:
+        """Publish LoRA adapter ``adapter``: ``weights`` are its tensors alone, named as PEFT saves them
+        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` ...; a state dict or (name, tensor)
+        pairs), as its ``version`` (default: the next one; each adapter counts its own, apart from the base's).
+        Every worker verifies it like a full update (checksums, finiteness, versions) and against the engine's
+        LoRA configuration; nothing of the base weights moves. Then, over HTTP (``vllm serve``), the server serves
+        it under ``adapter.name``: the answer of its adapter route (``{"served": "math@v2", ...}``). With another
+        client (an ``LLM``) the answer is ``{"name", "version", "path"}``: the verified PEFT directory, for a
+        ``LoRARequest``. Raises ``UpdateFailed`` naming the problem (a refused update: each worker's reason and
+        ``update_weights``' answer; a refused route: ``reasons["adapter_route"]``, the HTTP status and reason); the
+        previous adapter version serves on (after a refused route the workers hold the version: the next one
+        follows it). No pause: requests in flight keep the adapter version they began with."""
+        if not self.is_sender or self._publisher is None:
+            return {}
+        version = self.adapter_versions.get(adapter.name, 0) + 1 if version is None else version
+        self._send(version, weights, adapter)
+        assert self.last_report is not None
+        path = next((str(e.engine["adapter_dir"]) for e in self.last_report.engines if e.engine.get("adapter_dir")), "")
+        noop = all(e.noop for e in self.last_report.engines)
+        self.adapter_versions[adapter.name] = version  # the workers hold it: the next default version is the one after
+        return self._serve_adapter(adapter.name, version, path) if path or not noop else {"noop": True}
+
+    def _serve_adapter(self, name: str, version: int, path: str) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        if not isinstance(self.client, HTTPVLLMWeightSyncClient):
+            return {"name": name, "version": version, "path": path}
+        import requests
+
+        url = f"{self.client.base_url}{ADAPTER_ROUTE}"
+        try:
+            r = requests.post(url, json={"name": name, "version": version, "path": path}, timeout=self.client.timeout)
+        except requests.RequestException as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            raise UpdateFailed(f"adapter {name} version {version}: verified, but {url} did not answer: {why}",
+                               {"adapter_route": why}, {"adapter_route": FailureKind.TRANSPORT}) from exc
+        if r.status_code != 200:
+            answered = f"HTTP {r.status_code}: {r.text[:2000]}"
+            hint = (" (the server loads the route when VLLM_PLUGINS names weight_bridge)" if r.status_code == 404 else "")
+            kind = FailureKind.VERSION if r.status_code == 409 else FailureKind.LOAD
+            raise UpdateFailed(f"adapter {name} version {version}: verified, but the server did not serve it: "
+                               f"{answered}{hint}", {"adapter_route": answered}, {"adapter_route": kind})
+        answer: dict[str, Any] = r.json()
+        return answer
+
+    def _send(self, version: int, weights: Any, adapter: wire.AdapterSpec | None = None) -> None:
+        assert self._publisher is not None and weights is not None
+        publisher = self._publisher
         self.client.start_weight_update()
         failure: list[BaseException] = []
+        info: dict[str, Any] = {"version": version, "timeout_s": self.init_info.update_timeout_s}
+        if adapter is not None:
+            info["adapter"] = adapter.name
 
         def hold() -> None:
             try:
-                self.client.update_weights({"version": version, "timeout_s": self.init_info.update_timeout_s})
+                self.client.update_weights(info)
             except BaseException as exc:  # noqa: BLE001 - reported after the publish
                 failure.append(exc)
 
@@ -102,13 +162,17 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         holder.start()
         error: BaseException | None = None
         try:
-            self.last_report = publisher.publish(iter(source), version)
+            named = weights.items() if isinstance(weights, dict) else weights
+            self.last_report = publisher.publish(iter(named), version, adapter=adapter)
         except BaseException as exc:  # noqa: BLE001 - raised below, once vLLM's session is closed
             error = exc
         holder.join(self.init_info.update_timeout_s + 30)
         if error is None and not failure and not holder.is_alive():
-            self.client.finish_weight_update(str(version))
-            self.version = version
+            if adapter is not None:  # the base's label (/weight_info) stays
+                self.client.finish_weight_update()
+            else:
+                self.client.finish_weight_update(str(version))
+                self.version = version
             return
         self._close_session()
         if isinstance(error, UpdateFailed) and failure:  # the engine's own answer to update_weights, beside the acks'
