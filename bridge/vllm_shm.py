@@ -12,13 +12,15 @@ tracker it started leaves them in ``/dev/shm``, which is memory, up to 250 MB ea
 So a ``psm_*`` segment that no live process maps or holds open has lost every process that used it: its
 engine died. The one short exception in vLLM is ``is_in_the_same_node`` (``distributed/parallel_state.py``),
 whose 128-byte probe is closed by every rank, then unlinked by its maker after a barrier; so a segment is
-only removed once it is ``min_age_s`` old as well (time since its last write or size change).
+only removed once nothing wrote to it for ``min_age_s`` as well (its modification time, which writes through a
+mapping move too).
 
 What this cannot tell, and so leaves alone (``VllmSweepReport.not_cleaned`` says which and why):
 
 * a segment owned by a user one of whose processes this sweeper cannot inspect (``/proc/PID/fd`` not
-  readable; a process whose ``/proc/PID/maps`` alone is hidden is judged by its open files); run as another user than root, the sweep does not see a root process that maps a segment of
-  this user (a ``psm_*`` file is 0600: only its owner and root can open it);
+  readable; a process whose ``/proc/PID/maps`` alone is hidden is judged by its open files). Run as another
+  user than root, the sweep does not see a root process that maps a segment of this user (a ``psm_*`` file
+  is 0600: only its owner and root can open it);
 * a segment this user may not remove (another user's file in the sticky ``/dev/shm``, when not root);
 * processes of another pid namespace are invisible here: run the sweep in the pid namespace of everything
   that shares this ``/dev/shm`` (a host, or a container or Ray node with a ``/dev/shm`` of its own).
@@ -51,7 +53,7 @@ class Segment:
     uid: int
     size: int  # apparent size
     resident: int  # bytes of its pages in memory
-    changed: float  # time of its last write or size change (max of mtime, ctime)
+    changed: float  # its modification time: creation, or the last write (through a mapping too)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class VllmSweepReport:
     bytes: int  # their apparent size
     resident: int  # the memory they held
     in_use: tuple[str, ...]  # kept: mapped or held open by a live process
-    young: tuple[str, ...]  # kept: unused, but changed less than min_age_s ago
+    young: tuple[str, ...]  # kept: unused, but written less than min_age_s ago
     not_cleaned: tuple[tuple[str, str], ...]  # (name, why) of segments left that may be a dead engine's
 
 
@@ -98,7 +100,7 @@ def _segments(directory: Path) -> list[Segment]:
             st = os.stat(directory / name, follow_symlinks=False)
         except OSError:
             continue  # gone meanwhile
-        found.append(Segment(name, st.st_ino, st.st_uid, st.st_size, st.st_blocks * 512, max(st.st_mtime, st.st_ctime)))
+        found.append(Segment(name, st.st_ino, st.st_uid, st.st_size, st.st_blocks * 512, st.st_mtime))
     return found
 
 
