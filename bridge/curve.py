@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import TransportConfig
-from bridge.errors import ConfigError
+from bridge.errors import ConfigError, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -207,11 +207,15 @@ class _Authority:
     each with the public keys it accepts."""
 
     def __init__(self, ctx: Any) -> None:
+        import zmq
         from zmq.auth.thread import ThreadAuthenticator
 
         self.clients: dict[str, frozenset[bytes]] = {}
         self.auth = ThreadAuthenticator(ctx)
-        self.auth.start()
+        try:
+            self.auth.start()
+        except zmq.ZMQError as exc:  # another ZAP handler serves this context already
+            raise TransportError(f"cannot start the CURVE authenticator (ZAP handler) of this process: {exc}") from exc
 
     def callback(self, domain: str, key: bytes) -> bool:
         if domain == "*":  # a CURVE receiver of this context without a client list: any key is accepted

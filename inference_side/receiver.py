@@ -161,15 +161,16 @@ class SyncReceiver:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         tcfg = self.config.transport
-        domain = secure_server(sock, ctx, self._curve)
+        domain = ""
         try:
+            domain = secure_server(sock, ctx, self._curve)
             if self.port:
                 sock.bind(f"tcp://{tcfg.bind_host}:{self.port}")
                 port = self.port
             else:
                 port = sock.bind_to_random_port(f"tcp://{tcfg.bind_host}")
-        except zmq.ZMQError as exc:
-            self._error = BridgeError(f"cannot bind receiver on {tcfg.bind_host}: {exc}")
+        except (zmq.ZMQError, BridgeError) as exc:
+            self._error = exc if isinstance(exc, BridgeError) else BridgeError(f"cannot bind receiver on {tcfg.bind_host}: {exc}")
             self._ready.set()
             sock.close(0)
             release_server(ctx, domain)
