@@ -5,6 +5,8 @@
     weight-bridge bench [...]       measure sync latency and throughput
     weight-bridge health --url U    one-line verdict per engine; non-zero exit if any is unhealthy
     weight-bridge relay --engine E  a host-local relay: one network copy, shared memory to each engine
+    weight-bridge keys NAME         make a CURVE key pair (NAME.key, NAME.key_secret) for receivers off loopback
+    weight-bridge sweep-shm         remove /dev/shm segments of dead processes (killed vLLM engines included)
 
 ``weight-bridge <command> --help`` explains each command.
 """
@@ -106,7 +108,8 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         ray.init(address=args.ray_address, namespace=args.ray_namespace, log_to_driver=False)
         sources = [NamedActorSource(name, args.ray_namespace) for name in args.actor]
     for endpoint in args.vllm_serve or ():
-        sources.append(ReceiverSource(endpoint, curve_server_public=config.transport.curve_server_public))
+        sources.append(ReceiverSource(endpoint, curve_server_public=config.transport.curve_server_public,
+                                      curve_client_secret=config.transport.curve_client_secret))
     host = args.host or config.serve.host
     port = config.serve.port if args.port is None else args.port
     service = DashboardService(hub, host=host, port=port, sources=sources, poll_interval_s=args.poll_interval)
@@ -158,13 +161,39 @@ def cmd_relay(args: argparse.Namespace, extra: list[str]) -> int:
 
     from inference_side.relay import Relay
 
-    relay = Relay(args.engine, load_config(args.config), name=args.name)
+    relay = Relay(args.engine, load_config(args.config), name=args.name, port=args.port)
     print(f"weight-bridge relay {relay.endpoint()} -> {', '.join(args.engine)}  (Ctrl-C stops)", flush=True)
     try:
         threading.Event().wait()
     finally:
         relay.shutdown()
     return 0
+
+
+# ---- keys / sweep-shm -----------------------------------------------------------------------------------
+def cmd_keys(args: argparse.Namespace, extra: list[str]) -> int:
+    from bridge.curve import write_keypair
+
+    public_path, secret_path, pair = write_keypair(args.dir, args.name)
+    print(f"public key {pair.public}\n  {public_path}   (hand out: receivers list it in transport.curve_clients, "
+          f"publishers set it as transport.curve_server_public)\n  {secret_path}   (keep, mode 0600: "
+          f"transport.curve_server_secret of a receiver, or transport.curve_client_secret of a publisher)", flush=True)
+    return 0
+
+
+def cmd_sweep_shm(args: argparse.Namespace, extra: list[str]) -> int:
+    from bridge.shm import sweep_orphans
+    from bridge.vllm_shm import sweep_vllm_segments
+
+    own = sweep_orphans()
+    vllm = sweep_vllm_segments(min_age_s=args.min_age)
+    print(f"removed {len(own.removed)} weight-bridge segments of dead processes ({own.bytes / 1e6:.1f} MB)")
+    print(f"removed {len(vllm.removed)} vLLM segments no live process uses ({vllm.resident / 1e6:.1f} MB resident, "
+          f"{vllm.bytes / 1e6:.1f} MB apparent){': ' + ' '.join(vllm.removed) if vllm.removed else ''}")
+    print(f"kept {len(vllm.in_use)} vLLM segments in use and {len(vllm.young)} younger than {args.min_age:g} s")
+    for name, why in vllm.not_cleaned:
+        print(f"not cleaned: {name}: {why}")
+    return EXIT_UNHEALTHY if vllm.not_cleaned else 0
 
 
 # ---- parser ---------------------------------------------------------------------------------------------
@@ -247,6 +276,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="endpoint of a local engine's receiver (repeat for each engine)")
     relay.add_argument("--config", metavar="FILE.yaml", help="config file (default: configs/default.yaml)")
     relay.add_argument("--name", metavar="NAME", help="the relay's publisher name (default: relay-<hostname>)")
+    relay.add_argument("--port", type=int, default=0, metavar="PORT",
+                       help="TCP port to bind on transport.bind_host (default: 0, any free port)")
+    keys = add("keys", cmd_keys, "make a CURVE key pair for receivers and publishers off loopback",
+               "Make a CURVE key pair and write it in ZeroMQ's certificate format: DIR/NAME.key (the public key,\n"
+               "to hand out) and DIR/NAME.key_secret (the pair, mode 0600, to keep). A receiver bound to an\n"
+               "address other than loopback needs its own pair (transport.curve_server_secret) and the public\n"
+               "keys of the publishers it accepts (transport.curve_clients: keys, files or a directory of\n"
+               "*.key files); a publisher sets the receivers' public key (transport.curve_server_public) and\n"
+               "its own pair (transport.curve_client_secret). Each of these keys takes a z85 string or a path.\n"
+               "Refuses to overwrite existing files.",
+               epilog="example:\n  weight-bridge keys receivers --dir /etc/weight-bridge\n"
+                      "  weight-bridge keys trainer --dir /etc/weight-bridge")
+    keys.add_argument("name", metavar="NAME", help="file name of the pair (NAME.key, NAME.key_secret)")
+    keys.add_argument("--dir", default=".", metavar="DIR", help="where to write the files (default: .)")
+    sweep = add("sweep-shm", cmd_sweep_shm, "remove /dev/shm segments of dead processes, killed vLLM engines' included",
+                "Remove what dead processes left in /dev/shm: weight-bridge's own segments whose maker died, and\n"
+                "vLLM's own message queues and buffers (psm_*) that no live process maps or holds open and that\n"
+                "did not change for --min-age seconds (an engine killed with SIGKILL leaves them; a live engine's\n"
+                "are kept). Receivers do this when they start (serve.sweep_vllm_shm). Prints what it removed and\n"
+                "what it could not clean and why; exit status 1 when something is left that it could not judge\n"
+                "or remove (run it as root, in the pid namespace of every process sharing this /dev/shm).",
+                epilog="example:\n  weight-bridge sweep-shm")
+    sweep.add_argument("--min-age", type=float, default=60.0, metavar="SECONDS",
+                       help="leave vLLM segments that changed more recently (default: 60)")
     return parser
 
 

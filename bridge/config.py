@@ -30,14 +30,23 @@ class TransportConfig:
     bind_host: str = "127.0.0.1"  # loopback unless configured otherwise
     bucket_mb: float = 64.0
     depth: int = 2  # buckets in flight per receiver
-    curve_server_secret: str = ""  # z85 CURVE secret key of the receiver; empty: no authentication
-    curve_server_public: str = ""
+    # CURVE (bridge/curve.py); each key a z85 string or the path of a key file from `weight-bridge keys`.
+    curve_server_secret: str = ""  # receiver: its secret key (NAME.key_secret); empty: plain ZMQ
+    curve_server_public: str = ""  # publisher: the receivers' public key (NAME.key); empty: plain ZMQ
+    curve_client_secret: str = ""  # publisher: the key it presents; empty: a fresh one per connection
+    curve_clients: tuple[str, ...] = ()  # receiver: publishers' public keys accepted (keys, files, directories)
+    # receiver: bind an address other than loopback without CURVE client authentication (a trusted network)
+    allow_unauthenticated: bool = False
     # receivers also listen on an ipc:// endpoint in a private 0700 directory (same-host publishers)
     listen_ipc: bool = True
     # gloo/nccl: the address receivers reach the publisher's private TCPStore at (the publisher's host)
     collective_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        clients = (self.curve_clients,) if isinstance(self.curve_clients, str) else self.curve_clients
+        if not isinstance(clients, list | tuple) or not all(isinstance(c, str) and c for c in clients):
+            raise ConfigError(f"transport.curve_clients must be a list of keys, key files or directories, got {clients!r}")
+        object.__setattr__(self, "curve_clients", tuple(clients))
         if self.bucket_mb <= 0:
             raise ConfigError(f"transport.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.depth < 1:
@@ -115,6 +124,9 @@ class ServeConfig:
     # leaves vLLM's value. Longer than the gap between generation steps, so generation keeps its latency,
     # short enough that a sync does not share a core with an idle, spinning worker (inference_side/idle_spin.py)
     worker_idle_spin_s: float | None = 0.05
+    # receivers remove vLLM's own shared-memory segments (/dev/shm/psm_*) of engines that were killed when they
+    # start: those no live process maps or holds open (bridge/vllm_shm.py)
+    sweep_vllm_shm: bool = True
 
     def __post_init__(self) -> None:
         spin = self.worker_idle_spin_s

@@ -20,6 +20,7 @@ from typing import Any, Self
 from bridge import wire
 from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
+from bridge.curve import client_curve, handshake_failure, secure_client, watch
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
 from bridge.report import FailureKind, describe, kind_of, parse_kind
 from bridge.served import conflict_reason, differing, published_sums
@@ -72,6 +73,7 @@ class _Peer:
     last_heard: float = 0.0
     released: set[int] = field(default_factory=set)  # buckets of this update it will not read again
     monitor: Any = None  # ZMQ monitor socket reporting failed security handshakes
+    refused: str = ""  # why its security handshake failed, once it did
 
 
 class UpdateSender:
@@ -88,7 +90,8 @@ class UpdateSender:
         self.transport = transport or self.config.transport.kind
         self.name = name or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._ctx: Any = zmq.Context.instance()
-        self._curve_public = curve_server_public if curve_server_public is not None else self.config.transport.curve_server_public
+        # CURVE towards the engines: curve_server_public ("" for none) overrides transport.curve_server_public
+        self._curve = client_curve(self.config.transport, curve_server_public)
         self._current = 0  # version being published
         self._aborted = ""  # set by abort(), from any thread: every send fails from then on
         self._planes: dict[str, SendPlane] = {}  # kept across updates: their buffers are reused
@@ -103,13 +106,8 @@ class UpdateSender:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.name}|{endpoint}".encode()[:255])
-        if self._curve_public:
-            public, secret = zmq.curve_keypair()
-            sock.curve_serverkey = self._curve_public.encode()
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        secure_client(sock, self._curve)
+        monitor = watch(sock)
         sock.connect(endpoint)
         return _Peer(endpoint, sock, monitor=monitor)
 
@@ -142,21 +140,11 @@ class UpdateSender:
         plane.configure(self.config.transport.depth)
         return plane
 
-    @staticmethod
-    def _handshake_failure(peer: _Peer) -> str:
+    def _handshake_failure(self, peer: _Peer) -> str:
         """Why the security handshake with ``peer`` failed, if it did (empty string otherwise)."""
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
-
-        why = ""
-        while peer.monitor.poll(0):
-            event = recv_monitor_message(peer.monitor, zmq.NOBLOCK)["event"]
-            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                why = ("security mechanisms differ (CURVE on one side only): set transport.curve_server_public "
-                       "to the engine's CURVE public key")
-            elif event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH):
-                why = "CURVE authentication failed: wrong server key, or this publisher is not authorised"
-        return why
+        if not peer.refused and not peer.socket.closed:
+            peer.refused = handshake_failure(peer.monitor, self._curve)
+        return peer.refused
 
     def __enter__(self) -> Self:
         return self
@@ -209,17 +197,24 @@ class UpdateSender:
         todo = [p for p in self._peers if p.info is None]
         for peer in todo:
             self._send(peer, wire.Hello(publisher=self.name))
+        # a failed security handshake is final: waiting out the deadline would not change it
+        settled = lambda p: p.info is not None or p.ack is not None or bool(self._handshake_failure(p))  # noqa: E731
         try:
-            self._wait(lambda p: p.info is not None or p.ack is not None, self.config.deadlines.connect_s, "connect", todo)
+            self._wait(settled, self.config.deadlines.connect_s, "connect", todo)
         except DeadlineExceeded as exc:
-            refused = {p.endpoint: why for p in todo if p.info is None and (why := self._handshake_failure(p))}
-            if refused:
-                detail = "; ".join(f"{ep}: {why}" for ep, why in refused.items())
-                raise TransportError(f"connection refused by {len(refused)} engine(s): {detail}") from exc
+            self._raise_refused(todo, exc)
             raise
+        self._raise_refused(todo)
         for peer in todo:
             if peer.ack is not None and not peer.ack.ok:
                 raise TransportError(f"{peer.endpoint} refused the connection: {peer.ack.reason}")
+
+    def _raise_refused(self, peers: list[_Peer], cause: BaseException | None = None) -> None:
+        """TransportError naming every peer among ``peers`` whose security handshake failed, if any did."""
+        refused = {p.endpoint: why for p in peers if p.info is None and (why := self._handshake_failure(p))}
+        if refused:
+            detail = "; ".join(f"{ep}: {why}" for ep, why in refused.items())
+            raise TransportError(f"connection refused by {len(refused)} engine(s): {detail}") from cause
 
     # ---- sending ------------------------------------------------------------------------------
     def forward(self, manifest: wire.Manifest, staged: Callable[[int], tuple[str, tuple[int, ...]]]) -> PublishReport:

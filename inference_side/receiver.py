@@ -22,6 +22,7 @@ from typing import Any
 
 from bridge import wire
 from bridge.config import BridgeConfig
+from bridge.curve import ServerCurve, release_server, secure_server, server_curve
 from bridge.errors import BridgeError, WireError
 from bridge.host_verdicts import verdict_key, verify_once
 from bridge.report import ApplyResult, FailureKind, describe, kind_of
@@ -29,6 +30,7 @@ from bridge.served import ServedContent, bucket_sums, served_scope
 from bridge.shm import Segment, SegmentPool, sweep_orphans
 from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
+from bridge.vllm_shm import sweep_vllm_segments
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
@@ -64,10 +66,16 @@ class SyncReceiver:
         self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
         self._served = ServedContent()  # checksums of what the engine serves (answers a re-sent version)
         self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
+        self._curve: ServerCurve | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
+        """Bind and serve; ConfigError for CURVE keys that cannot be used, or an address other than loopback
+        without them (bridge/curve.py)."""
+        self._curve = server_curve(self.config.transport)
         sweep_orphans()  # segments a SIGKILLed predecessor (or any dead publisher) left in /dev/shm
+        if self.config.serve.sweep_vllm_shm:
+            sweep_vllm_segments()  # vLLM's own segments of engines that were killed
         self._thread = threading.Thread(target=self._run, name="wb-receiver", daemon=True)
         self._thread.start()
         self._ready.wait(30)
@@ -153,19 +161,19 @@ class SyncReceiver:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         tcfg = self.config.transport
-        if tcfg.curve_server_secret:
-            sock.curve_server = True
-            sock.curve_secretkey = tcfg.curve_server_secret.encode()
-            sock.curve_publickey = tcfg.curve_server_public.encode()
+        domain = ""
         try:
+            domain = secure_server(sock, ctx, self._curve)
             if self.port:
                 sock.bind(f"tcp://{tcfg.bind_host}:{self.port}")
                 port = self.port
             else:
                 port = sock.bind_to_random_port(f"tcp://{tcfg.bind_host}")
-        except zmq.ZMQError as exc:
-            self._error = BridgeError(f"cannot bind receiver on {tcfg.bind_host}: {exc}")
+        except (zmq.ZMQError, BridgeError) as exc:
+            self._error = exc if isinstance(exc, BridgeError) else BridgeError(f"cannot bind receiver on {tcfg.bind_host}: {exc}")
             self._ready.set()
+            sock.close(0)
+            release_server(ctx, domain)
             return
         self.endpoint = f"tcp://{tcfg.bind_host}:{port}"
         if tcfg.listen_ipc:
@@ -206,6 +214,7 @@ class SyncReceiver:
                 plane.close()
             self._pool.close()
             sock.close(0)
+            release_server(ctx, domain)
             if self._ipc_dir:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

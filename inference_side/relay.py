@@ -28,6 +28,7 @@ from typing import Any
 
 from bridge import wire
 from bridge.config import BridgeConfig
+from bridge.curve import server_curve
 from bridge.errors import BridgeError, ConfigError, TransportError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, describe, kind_of
 from bridge.sender import PublishReport, UpdateSender
@@ -62,7 +63,8 @@ class RelayGate(EngineGate):
             raise ConfigError("a relay needs at least one local engine endpoint")
         self.name = name
         self.endpoints = list(engines)
-        self._forwarder = UpdateSender(engines, config=config, name=name, transport="shm")
+        # its engines are on this host (ipc:// or loopback): reached without CURVE, which guards the relay's own endpoint
+        self._forwarder = UpdateSender(engines, config=config, name=name, transport="shm", curve_server_public="")
         self._state = threading.Lock()  # guards ending self._open (the apply thread and close() may both)
         try:
             infos = self._forwarder.engines()
@@ -185,13 +187,18 @@ class Relay:
     ``tcp://`` endpoints on this host)."""
 
     def __init__(self, engines: list[str], config: BridgeConfig | dict[str, Any] | str | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, port: int = 0) -> None:
         self.config = resolve_config(config)
+        server_curve(self.config.transport)  # unusable keys or an unauthenticated bind: refused before reaching the engines
         self.name = name or f"relay-{socket.gethostname()}"
         self.gate = RelayGate(engines, self.config, self.name)
-        self.receiver = SyncReceiver(self.gate, self.config)
+        self.receiver = SyncReceiver(self.gate, self.config, port=port)
         self._closed = False
-        self._endpoint = self.receiver.start()
+        try:
+            self._endpoint = self.receiver.start()
+        except BaseException:
+            self.gate.close()
+            raise
         logger.info("relay %s at %s forwards to %s", self.name, self._endpoint, engines)
 
     def endpoint(self) -> str:

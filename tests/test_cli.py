@@ -29,7 +29,9 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     ("health", ["--url", "--timeout", "Exit status", "DEGRADED", "UNREACHABLE"]),
     ("demo", ["apps.demo", "every option", "weight-bridge demo"]),
     ("bench", ["bench/run.py", "every option", "weight-bridge bench"]),
-    ("relay", ["--engine", "--config", "shared memory", "names the engine"]),
+    ("relay", ["--engine", "--config", "shared memory", "names the engine", "--port"]),
+    ("keys", ["NAME.key", "NAME.key_secret", "--dir", "transport.curve_clients", "transport.curve_client_secret"]),
+    ("sweep-shm", ["--min-age", "psm_", "exit status 1"]),
 ])
 def test_subcommand_help_exits_0_and_explains_its_options(command: str, mentions: list[str]) -> None:
     proc = cli(command, "--help")
@@ -44,7 +46,7 @@ def test_top_level_help_lists_every_subcommand() -> None:
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "apps.cli"]
     proc = subprocess.run([*cmd, "--help"], capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=60)
     assert proc.returncode == 0
-    for command in ("demo", "serve", "bench", "health", "relay"):
+    for command in ("demo", "serve", "bench", "health", "relay", "keys", "sweep-shm"):
         assert re.search(rf"^\s+{command}\s", proc.stdout, re.M), proc.stdout
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,47 +72,63 @@ class ReceiverSource:
     also while an update runs. For an engine behind ``vllm serve`` (the ``weight_bridge`` backend) that is TP
     rank 0's receiver, ``host:base_port``; no port or route beyond the one the trainer publishes to. Later
     polls ask only for records newer than the last seen (less a margin; the poller drops repeats).
-    ``curve_server_public``: the receivers' CURVE key when they require it (``transport.curve_server_public``)."""
+    ``curve_server_public``: the receivers' CURVE key when they require it (``transport.curve_server_public``);
+    ``curve_client_secret``: the key this poller presents (``transport.curve_client_secret``), which receivers
+    with a client list (``transport.curve_clients``) must list. A refused handshake fails the poll at once,
+    saying why."""
 
     OVERLAP_S = 30.0  # records are stamped when made and kept in the order they end: ask again a little earlier
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, curve_server_public: str = "",
-                 max_reply_bytes: int = 256 << 20) -> None:
+                 max_reply_bytes: int = 256 << 20, curve_client_secret: str = "") -> None:
+        from bridge.config import TransportConfig
+        from bridge.curve import client_curve
+
         self.endpoint = endpoint if "://" in endpoint else f"tcp://{endpoint}"
         self.name = self.endpoint  # until the engine names itself (the poller's label for an outage)
         self.timeout_s = timeout_s
-        self.curve_server_public = curve_server_public
+        self.curve = client_curve(TransportConfig(curve_server_public=curve_server_public,
+                                                  curve_client_secret=curve_client_secret))
         self.max_reply_bytes = max_reply_bytes
         self._since = 0.0
         self._sock: Any = None
+        self._monitor: Any = None
 
     def _socket(self) -> Any:
         import zmq
 
+        from bridge.curve import secure_client, watch
+
         if self._sock is None:
             sock: Any = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            if self.curve_server_public:
-                public, secret = zmq.curve_keypair()
-                sock.curve_serverkey = self.curve_server_public.encode()
-                sock.curve_publickey, sock.curve_secretkey = public, secret
+            secure_client(sock, self.curve)
+            self._monitor = watch(sock)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
 
     def close(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
             self._sock = None
 
     def __call__(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         from bridge import wire
+        from bridge.curve import handshake_failure
 
         sock = self._socket()
         sock.send(wire.encode(wire.StatusRequest(since=self._since)))
-        if not sock.poll(int(self.timeout_s * 1000)):
-            self.close()  # a late answer must not be read as the next poll's
-            raise TimeoutError(f"no status from {self.endpoint} within {self.timeout_s}s")
+        end = time.monotonic() + self.timeout_s
+        while not sock.poll(50):
+            refused = handshake_failure(self._monitor, self.curve, peer="receiver")
+            if refused or time.monotonic() > end:
+                self.close()  # a late answer must not be read as the next poll's
+                if refused:
+                    raise BridgeError(f"{self.endpoint} refused the status request: {refused}")
+                raise TimeoutError(f"no status from {self.endpoint} within {self.timeout_s}s")
         reply = wire.decode(sock.recv(), max_bytes=self.max_reply_bytes)
         if not isinstance(reply, wire.StatusReply):
             raise BridgeError(f"{self.endpoint} answered a status request with {reply.type!r}")
