@@ -22,7 +22,7 @@ from typing import Any
 
 from bridge import wire
 from bridge.config import BridgeConfig
-from bridge.errors import BridgeError, WireError
+from bridge.errors import BridgeError, WireError, WrongBase
 from bridge.host_verdicts import verdict_key, verify_once
 from bridge.report import ApplyResult, FailureKind, describe, kind_of
 from bridge.served import ServedContent, bucket_sums, served_scope
@@ -30,6 +30,7 @@ from bridge.shm import Segment, SegmentPool, sweep_orphans
 from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
 from inference_side.contract import EngineGate, StagedBucket
+from inference_side.delta_base import BaseStore, rebuild
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
 
@@ -64,6 +65,8 @@ class SyncReceiver:
         self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
         self._served = ServedContent()  # checksums of what the engine serves (answers a re-sent version)
         self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
+        # delta updates: the version last applied, to rebuild full tensors from patches (staged mode only)
+        self.bases = BaseStore() if config.sync.delta and config.sync.mode == "staged" else None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -115,7 +118,10 @@ class SyncReceiver:
         for bucket in buckets:
             if self.gate.load(manifest, bucket).error:
                 break  # finish reports the failure
-        return self.gate.finish(manifest, timings)
+        result = self.gate.finish(manifest, timings)
+        if self.bases is not None and result.ok and not result.report.get("noop"):
+            self.bases.keep(manifest, buckets)  # the next delta's base
+        return result
 
     def _progress(self, sock: Any, session: Session) -> bool:
         """Streaming: credit back every bucket loaded so far, in order, and free its staging; on a failed
@@ -320,6 +326,10 @@ class SyncReceiver:
                        "sync.checksum is none) and this engine verifies them (sync.verify_checksums: true)")
             return
         try:
+            if manifest.delta is not None:
+                if self.bases is None:
+                    raise WrongBase("this engine keeps no base for delta updates (sync.delta: false, or sync.mode: streaming)")
+                self.bases.check(manifest)
             self._plane(manifest.transport).begin(identity)
         except BridgeError as exc:
             self._refuse(sock, identity, manifest.version, exc)
@@ -344,7 +354,7 @@ class SyncReceiver:
         if header.version != m.version or header.index >= len(m.bucket_sizes) or header.index in session.buckets:
             self._fail(sock, identity, m.version, FailureKind.WIRE, f"unexpected bucket {header.index} of version {header.version}")
             return
-        size = m.bucket_sizes[header.index]
+        size = (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[header.index]
         t0 = time.perf_counter()
         try:
             segment = self._plane(m.transport).land(identity, m.version, header, payload, size,
@@ -363,10 +373,10 @@ class SyncReceiver:
         """Bucket ``index`` lies complete in ``segment``: verify it (once per host for a publisher's shm
         segment sent under ``token``), then load it (streaming) or credit it back."""
         m = session.manifest
-        specs = m.by_bucket()[index]
+        specs = m.by_bucket()[index] if m.delta is None else m.delta.wire_specs(m)[index]  # a delta: its payloads
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
         session.sums.update(bucket_sums(specs, checksums))
-        session.bytes_in += m.bucket_sizes[index]
+        session.bytes_in += (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[index]
         try:
             scfg = self.config.sync
             if scfg.verify_checksums or scfg.nonfinite == "reject":
@@ -383,6 +393,14 @@ class SyncReceiver:
                         session.verified_by_peer += 1
                 else:
                     check()
+            if m.delta is not None and self.bases is not None:  # the full tensors, checked, into staging
+                wire_bucket = session.buckets[index]
+                session.buckets[index] = rebuild(m, m.delta, index, wire_bucket, self.bases, self._pool, scfg.nonfinite)
+                session.sums.update(bucket_sums(session.buckets[index].specs, session.buckets[index].checksums))
+                if wire_bucket.segment.owner:
+                    self._pool.give(wire_bucket.segment)
+                else:  # the publisher's shm segment
+                    wire_bucket.segment.close()
         except BridgeError as exc:
             self._refuse(sock, session.identity, m.version, exc)
             return
