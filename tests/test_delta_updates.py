@@ -298,3 +298,23 @@ def test_a_failed_delta_drops_the_base(start_receiver: Any) -> None:
         _step(weights, seed=3)
         report = publisher.publish(weights, version=4)
     assert report.delta["mode"] == "dense" and "no base" in report.delta["why"]
+
+
+def test_the_same_version_again_is_a_checked_noop(start_receiver: Any) -> None:
+    """With bases kept, publishing the served version again goes dense and the engine's no-op is checked against
+    the full tensors' checksums: equal weights pass, other weights are a conflict."""
+    from trainer_side import WeightPublisher
+
+    rx = start_receiver(_config(), FakeEngine(keep="bytes", noop_same_version=True))
+    weights = _weights()
+    with WeightPublisher([rx.endpoint], config=_config()) as publisher:
+        publisher.publish(weights, version=1)
+        _step(weights, seed=1)
+        assert publisher.publish(weights, version=2).delta["mode"] == "delta"
+        again = publisher.publish(weights, version=2)
+        assert again.engines[0].noop and again.engines[0].engine.get("content_checked") is True
+        assert "not newer than the base version 2" in again.delta["why"]
+        _step(weights, seed=2)
+        with pytest.raises(UpdateFailed) as info:
+            publisher.publish(weights, version=2)
+    assert set(info.value.kinds.values()) == {FailureKind.CONFLICT}
