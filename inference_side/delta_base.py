@@ -2,7 +2,8 @@
 tensors from patches into staging (docs/delta.md).
 
 Where the copy lives: in the receiver's process (``SyncReceiver``), one per engine, filled from the staged
-buckets of every update it applied (dense or delta) once the engine confirmed the apply. It holds every
+buckets of every update it applied (dense or delta) once the engine confirmed the apply (streaming: copied
+as each bucket is staged, kept once the update is applied). It holds every
 tensor those updates carried, in the wire dtype, and the checksum each was verified against: **one model of
 host RAM per receiver** (``sum(Manifest.tensors nbytes)`` of the model), besides the staging of an update in
 flight. It starts empty, so an engine (re)started or cold-loaded refuses patches until a dense update
@@ -49,22 +50,27 @@ class BaseStore:
 
     def keep(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> None:
         """An update of base weights was applied from these staged buckets (full tensors and their verified
-        checksums): copy them. Without usable checksums (``none``, another algorithm than the copy's) the
-        copy is dropped, and patches are refused until a dense update with checksums."""
-        import numpy as np
+        checksums): copy them (``copy`` then ``commit``)."""
+        kept: dict[str, tuple[np.ndarray, int]] = {}
+        for bucket in buckets:
+            kept.update(copy(bucket))
+        self.commit(manifest, kept, complete=all(len(b.checksums) == len(b.specs) for b in buckets))
 
+    def commit(self, manifest: wire.Manifest, kept: dict[str, tuple[np.ndarray, int]], complete: bool = True) -> None:
+        """The update ``manifest`` was applied; ``kept`` holds a copy of each of its tensors and its checksum
+        (``copy`` of every bucket, taken while staged). Without usable checksums (``none``, a bucket sent
+        without them: ``complete`` false) the copy is dropped, and patches are refused until an update with
+        checksums. A LoRA adapter's update changes nothing here."""
         if manifest.adapter is not None:
-            return  # a LoRA adapter leaves the base weights as they are
-        if manifest.checksum in ("", "none") or any(len(b.checksums) != len(b.specs) for b in buckets):
+            return
+        if manifest.checksum in ("", "none") or not complete or len(kept) != len(manifest.tensors):
             self.clear()
             return
         if manifest.checksum != self.algorithm:
             self.tensors, self.sums, self.algorithm = {}, {}, manifest.checksum
-        for bucket in buckets:
-            view = np.frombuffer(bucket.segment.buffer, dtype=np.uint8)
-            for spec, checksum in zip(bucket.specs, bucket.checksums, strict=True):
-                self.tensors[spec.name] = view[spec.offset:spec.offset + spec.nbytes].copy()
-                self.sums[spec.name] = checksum
+        for name, (data, checksum) in kept.items():
+            self.tensors[name] = data
+            self.sums[name] = checksum
         self.version = manifest.version
 
     def check(self, manifest: wire.Manifest) -> None:
@@ -91,6 +97,16 @@ class BaseStore:
             if held != expected:
                 raise WrongBase(f"tensor {name}: wrong base: the delta applies to version {base} whose {manifest.checksum} is "
                                 f"{expected:#x}, {self.engine} served {held:#x}")
+
+
+def copy(bucket: StagedBucket) -> dict[str, tuple[np.ndarray, int]]:
+    """A copy of each tensor of a staged bucket and the checksum it was verified against (none when the
+    bucket came without checksums)."""
+    import numpy as np
+
+    view = np.frombuffer(bucket.segment.buffer, dtype=np.uint8)
+    return {spec.name: (view[spec.offset:spec.offset + spec.nbytes].copy(), checksum)
+            for spec, checksum in zip(bucket.specs, bucket.checksums, strict=False)}
 
 
 def rebuild(manifest: wire.Manifest, delta: DeltaManifest, index: int, wire_bucket: StagedBucket, store: BaseStore,

@@ -31,6 +31,7 @@ from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.delta_base import BaseStore, rebuild
+from inference_side.delta_base import copy as copy_bucket
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
 
@@ -65,8 +66,8 @@ class SyncReceiver:
         self._pool = SegmentPool("recv")  # receive segments reused across updates (ZMQ, gloo/NCCL)
         self._served = ServedContent()  # checksums of what the engine serves (answers a re-sent version)
         self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
-        # delta updates: the version last applied, to rebuild full tensors from patches (staged mode only)
-        self.bases = BaseStore() if config.sync.delta and config.sync.mode == "staged" else None
+        # delta updates: the version last applied, to rebuild full tensors from patches
+        self.bases = BaseStore() if config.sync.delta else None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -328,7 +329,7 @@ class SyncReceiver:
         try:
             if manifest.delta is not None:
                 if self.bases is None:
-                    raise WrongBase("this engine keeps no base for delta updates (sync.delta: false, or sync.mode: streaming)")
+                    raise WrongBase("this engine keeps no base for delta updates (sync.delta: false)")
                 self.bases.check(manifest)
             self._plane(manifest.transport).begin(identity)
         except BridgeError as exc:
@@ -406,6 +407,8 @@ class SyncReceiver:
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
         if session.streaming:
+            if self.bases is not None and m.adapter is None:  # the next delta's base, kept once this one is applied
+                session.kept.update(copy_bucket(session.buckets[index]))
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
             return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
@@ -473,6 +476,8 @@ class SyncReceiver:
                     if result.ok and not result.report.get("noop"):
                         m = session.manifest
                         self._served.record(m.checksum, session.sums, (t.name for t in m.tensors), served_scope(m))
+                        if session.streaming and self.bases is not None:
+                            self.bases.commit(m, session.kept)
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     report.setdefault("buckets_verified_by_peer", session.verified_by_peer)

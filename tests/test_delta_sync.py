@@ -138,3 +138,44 @@ def test_delta_on_another_publishers_version_is_refused_and_resent_dense(engine:
     assert applied["ok"] and applied["delta_base"] == 0 and applied["wire_bytes"] == applied["dense_bytes"], applied
     read_back_equal(actor, ours)
     assert ray.get(actor.version.remote()) == version + 4
+
+
+STREAMING_DELTAS = 6
+
+
+@pytest.fixture(scope="module")
+def streaming_engine(ray_session: Any, checkpoints: Any) -> Any:
+    from inference_side import InferenceActor
+
+    actor = InferenceActor.remote(model=str(checkpoints("tiny", 1)), tensor_parallel_size=1, dtype="bfloat16",
+                                  config={"sync": {"mode": "streaming"}})
+    endpoint = ray_session.get(actor.endpoint.remote(), timeout=600)
+    yield {"actor": actor, "endpoint": endpoint}
+    ray_session.get(actor.shutdown.remote())
+    ray_session.kill(actor)
+
+
+def test_streaming_engine_takes_deltas(streaming_engine: Any, tmp_path: Any) -> None:
+    """Streaming: each wire bucket is rebuilt into full tensors before it is loaded, and the version kept as the
+    next base once applied."""
+    import ray
+
+    from devtools.tiny_models import build_model, save_checkpoint
+    from trainer_side import WeightPublisher
+
+    actor = streaming_engine["actor"]
+    model = build_model("tiny", 1)
+    version = ray.get(actor.version.remote())
+    with WeightPublisher([streaming_engine["endpoint"]]) as publisher:
+        for step in range(STREAMING_DELTAS + 1):
+            rl_step(model, seed=100 + version)
+            version += 1
+            report = publisher.publish(model.named_parameters(), version=version)
+            assert report.ok and report.engines[0].verified, report
+            assert report.delta["mode"] == ("dense" if step == 0 else "delta"), report.delta
+            assert not report.delta.get("dense_fallback"), report.delta
+            (record,) = records_of(actor, version)
+            assert record["ok"] and record["delta_base"] == (0 if step == 0 else version - 1), record
+            read_back_equal(actor, model)
+    (cold,) = oracle([save_checkpoint(model, tmp_path / f"v{version}")], 1, "bfloat16")
+    assert_same_outputs(generate(actor), cold)

@@ -199,12 +199,13 @@ def test_base_store_refuses_what_it_does_not_hold() -> None:
 
 # ---- end to end with a receiver in this process -----------------------------------------------------------------
 
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
 @pytest.mark.parametrize("transport", ["zmq", "shm"])
-def test_deltas_rebuild_the_trainers_bytes(start_receiver: Any, transport: str) -> None:
+def test_deltas_rebuild_the_trainers_bytes(start_receiver: Any, transport: str, mode: str) -> None:
     from trainer_side import WeightPublisher
 
     engine = FakeEngine(keep="bytes")
-    rx = start_receiver(_config(), engine)
+    rx = start_receiver(_config(mode=mode), engine)
     weights = _weights()
     with WeightPublisher([rx.endpoint], config=_config(), transport=transport) as publisher:
         for version in range(1, 6):
