@@ -319,3 +319,29 @@ def test_the_same_version_again_is_a_checked_noop(start_receiver: Any) -> None:
         with pytest.raises(UpdateFailed) as info:
             publisher.publish(weights, version=2)
     assert set(info.value.kinds.values()) == {FailureKind.CONFLICT}
+
+
+def test_a_relay_rebuilds_once_and_forwards_dense(start_receiver: Any) -> None:
+    """A relay holds the base for its host: it refuses nothing, rebuilds the patched tensors into its staging and
+    hands its engines full tensors over shared memory (the engines' receivers see a dense update)."""
+    from inference_side.relay import Relay
+    from trainer_side import WeightPublisher
+
+    gates = [FakeEngine(keep="bytes"), FakeEngine(keep="bytes")]
+    events: list[tuple[str, dict[str, Any]]] = []
+    receivers = [start_receiver(_config(), g, events) for g in gates]
+    relay = Relay([r.endpoint for r in receivers], _config(), name="relay-delta")
+    try:
+        weights = _weights()
+        with WeightPublisher(relay.endpoint(), config=_config()) as publisher:
+            for version in range(1, 4):
+                _step(weights, seed=version)
+                report = publisher.publish(weights, version=version)
+                assert report.ok and report.delta["mode"] == ("dense" if version == 1 else "delta"), report.delta
+                assert not report.delta.get("dense_fallback"), report.delta
+                for gate in gates:
+                    assert {k: bytes(v) for k, v in gate.received[version].items()} == {k: _raw(v) for k, v in weights.items()}
+        assert events == []
+        assert all(r.bases is not None and r.bases.version == 3 for r in receivers)  # the engines could take deltas too
+    finally:
+        relay.shutdown()

@@ -177,7 +177,7 @@ class DeltaSender(UpdateSender):
         try:
             report = self._send_delta(manifest, plan, tensors, t_start)
         except BaseException:
-            self.bases = None  # what the engines serve is unknown
+            self.bases = self._pending = None  # what the engines serve is unknown
             raise
         self.bases = self._pending if report.ok else None
         self._pending = None
