@@ -140,14 +140,15 @@ def test_delta_on_another_publishers_version_is_refused_and_resent_dense(engine:
     assert ray.get(actor.version.remote()) == version + 4
 
 
-STREAMING_DELTAS = 6
+GPT_OSS_DELTAS = 5
+SINKS = ("model.layers.0.attn.sinks", "model.layers.1.attn.sinks")  # vLLM's names, sharded by head over TP ranks
 
 
 @pytest.fixture(scope="module")
-def streaming_engine(ray_session: Any, checkpoints: Any) -> Any:
+def gpt_oss_tp2(ray_session: Any, checkpoints: Any) -> Any:
     from inference_side import InferenceActor
 
-    actor = InferenceActor.remote(model=str(checkpoints("tiny", 1)), tensor_parallel_size=1, dtype="bfloat16",
+    actor = InferenceActor.remote(model=str(checkpoints("gpt_oss", 1)), tensor_parallel_size=2, dtype="bfloat16",
                                   config={"sync": {"mode": "streaming"}})
     endpoint = ray_session.get(actor.endpoint.remote(), timeout=600)
     yield {"actor": actor, "endpoint": endpoint}
@@ -155,27 +156,34 @@ def streaming_engine(ray_session: Any, checkpoints: Any) -> Any:
     ray_session.kill(actor)
 
 
-def test_streaming_engine_takes_deltas(streaming_engine: Any, tmp_path: Any) -> None:
-    """Streaming: each wire bucket is rebuilt into full tensors before it is loaded, and the version kept as the
-    next base once applied."""
+def test_gpt_oss_tp2_takes_deltas(gpt_oss_tp2: Any, tmp_path: Any) -> None:
+    """Tiny GPT-OSS at TP 2, streaming: each wire bucket is rebuilt into full tensors before it is loaded (sinks
+    and fused experts routed as in a dense update) and the version kept as the next base once applied; the sinks
+    read back from both ranks are the trainer's bit for bit, and the engine equals a cold load."""
     import ray
+    import torch
 
     from devtools.tiny_models import build_model, save_checkpoint
     from trainer_side import WeightPublisher
 
-    actor = streaming_engine["actor"]
-    model = build_model("tiny", 1)
+    actor = gpt_oss_tp2["actor"]
+    model = build_model("gpt_oss", 1)
+    params = dict(model.named_parameters())
     version = ray.get(actor.version.remote())
-    with WeightPublisher([streaming_engine["endpoint"]]) as publisher:
-        for step in range(STREAMING_DELTAS + 1):
-            rl_step(model, seed=100 + version)
+    with WeightPublisher([gpt_oss_tp2["endpoint"]]) as publisher:
+        for step in range(GPT_OSS_DELTAS + 1):
+            rl_step(model, seed=200 + version)
             version += 1
             report = publisher.publish(model.named_parameters(), version=version)
-            assert report.ok and report.engines[0].verified, report
+            (engine_report,) = report.engines
+            assert report.ok and engine_report.verified and engine_report.engine["routed_sinks"] == 2, report
             assert report.delta["mode"] == ("dense" if step == 0 else "delta"), report.delta
-            assert not report.delta.get("dense_fallback"), report.delta
             (record,) = records_of(actor, version)
-            assert record["ok"] and record["delta_base"] == (0 if step == 0 else version - 1), record
-            read_back_equal(actor, model)
-    (cold,) = oracle([save_checkpoint(model, tmp_path / f"v{version}")], 1, "bfloat16")
+            assert record["delta_base"] == (0 if step == 0 else version - 1), record
+            ranks = ray.get(actor.read_params.remote(list(SINKS)))
+            for path in SINKS:
+                live = torch.tensor([x for rank in ranks for x in rank[path]], dtype=torch.float32)
+                want = params[path.replace(".attn.", ".self_attn.")].detach().float()
+                assert torch.equal(live.view(torch.int32), want.view(torch.int32)), f"{path}: not the trainer's"
+    (cold,) = oracle([save_checkpoint(model, tmp_path / f"v{version}")], 2, "bfloat16")
     assert_same_outputs(generate(actor), cold)
