@@ -478,3 +478,138 @@ def plan_deltas(deltas: Sequence[DeltaSpec], max_ratio: float = 1.0) -> WirePlan
     """``plan_wire`` over encoded tensors."""
     return plan_wire([(d.name, d.dense_nbytes, d.nbytes) for d in deltas], max_ratio)
 
+
+
+# ---- an update's delta: what the manifest carries --------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeltaEntry:
+    """How one tensor of a delta update travels: its bytes lie at ``offset`` (``nbytes``) of the wire bucket
+    whose index is the tensor's own bucket in ``Manifest.tensors``. With ``delta`` they are that patch's
+    payload; without, the tensor's full bytes. ``checksum`` is the one of the resulting full tensor (the
+    manifest's algorithm): what the receiver records as served, and what a dense update carries."""
+
+    offset: int
+    nbytes: int
+    checksum: int
+    delta: DeltaSpec | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum,
+                "delta": self.delta.to_wire() if self.delta is not None else None}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DeltaEntry:
+        _require(isinstance(raw, dict), f"delta entry must be a map, got {type(raw).__name__}")
+        delta = raw.get("delta")
+        return cls(offset=_int(raw.get("offset"), "delta entry offset"), nbytes=_int(raw.get("nbytes"), "delta entry nbytes"),
+                   checksum=_int(raw.get("checksum"), "delta entry checksum", 0, 0xFFFFFFFFFFFFFFFF),
+                   delta=DeltaSpec.from_wire(delta) if delta is not None else None)
+
+
+@dataclass(frozen=True)
+class DeltaManifest:
+    """``Manifest.delta``: the update travels as patches against version ``base_version`` (the chain is
+    explicit: every patch names that version and the checksum of its base tensor).
+
+    ``Manifest.tensors`` and ``bucket_sizes`` keep describing the **full** tensors, as the receiver stages
+    them once rebuilt; ``bucket_sizes`` here are the sizes of the buckets on the wire (bucket ``i`` on the
+    wire carries the tensors of full bucket ``i``), and ``entries`` (one per tensor, in ``Manifest.tensors``
+    order) say where each tensor's payload lies. The buckets' header checksums are those of the payload
+    bytes (a transport error is caught per bucket before decoding); each rebuilt tensor is then checked
+    against its ``DeltaEntry.checksum`` / ``DeltaSpec.result_checksum``."""
+
+    base_version: int
+    bucket_sizes: tuple[int, ...]
+    entries: tuple[DeltaEntry, ...]
+
+    @property
+    def base_checksums(self) -> dict[str, int]:
+        """Tensor name -> checksum of its base, for the tensors sent as patches."""
+        return {e.delta.name: e.delta.base_checksum for e in self.entries if e.delta is not None}
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def result_sums(self, manifest: Any) -> dict[str, int]:
+        """Tensor name -> checksum of the full tensor the update makes (the sums a dense update carries)."""
+        return {t.name: e.checksum for t, e in zip(manifest.tensors, self.entries, strict=True)}
+
+    def wire_specs(self, manifest: Any) -> list[list[Any]]:
+        """Per wire bucket, the layout of its payloads as ``TensorSpec``s (manifest order): a dense entry as
+        its tensor (dtype and shape, so finiteness is checked as for any update), a patch as ``uint8`` bytes."""
+        from bridge.wire import TensorSpec
+
+        out: list[list[Any]] = [[] for _ in self.bucket_sizes]
+        for spec, entry in zip(manifest.tensors, self.entries, strict=True):
+            if entry.delta is None:
+                out[spec.bucket].append(TensorSpec(spec.name, spec.dtype, spec.shape, spec.bucket, entry.offset, entry.nbytes))
+            else:
+                out[spec.bucket].append(TensorSpec(spec.name, "uint8", (entry.nbytes,), spec.bucket, entry.offset, entry.nbytes))
+        return out
+
+    def telemetry(self, manifest: Any) -> dict[str, Any]:
+        """Bytes on the wire against dense bytes and the density (changed elements of the patched tensors)."""
+        patched = [e.delta for e in self.entries if e.delta is not None]
+        numel = sum(d.numel for d in patched)
+        dense = sum(t.nbytes for t in manifest.tensors)
+        return {"delta_base": self.base_version, "wire_bytes": self.wire_bytes, "dense_bytes": dense,
+                "delta_tensors": len(patched), "density": round(sum(d.changed for d in patched) / numel, 6) if numel else 0.0}
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"base_version": self.base_version, "bucket_sizes": list(self.bucket_sizes),
+                "entries": [e.to_wire() for e in self.entries]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DeltaManifest:
+        _require(isinstance(raw, dict), "manifest.delta must be a map")
+        sizes, entries = raw.get("bucket_sizes"), raw.get("entries")
+        _require(isinstance(sizes, list) and len(sizes) <= 1 << 20, "manifest.delta.bucket_sizes must be a list")
+        _require(isinstance(entries, list), "manifest.delta.entries must be a list")
+        return cls(base_version=_int(raw.get("base_version"), "manifest.delta.base_version"),
+                   bucket_sizes=tuple(_int(s, "delta bucket size", 0, 1 << 40) for s in sizes),  # type: ignore[union-attr]
+                   entries=tuple(DeltaEntry.from_wire(e) for e in entries))  # type: ignore[union-attr]
+
+    def check(self, manifest: Any) -> None:
+        """Consistent with ``manifest``: one entry per tensor, each patch for that tensor (name, dtype, shape,
+        the manifest's checksum algorithm, this base version), the base older than the update, the buckets
+        as many as the full ones, every payload inside its wire bucket and none overlapping. ManifestError
+        naming the problem."""
+        _require(len(self.entries) == len(manifest.tensors),
+                 f"manifest.delta lists {len(self.entries)} entries for {len(manifest.tensors)} tensors", ManifestError)
+        _require(len(self.bucket_sizes) == len(manifest.bucket_sizes),
+                 f"manifest.delta has {len(self.bucket_sizes)} buckets, the update {len(manifest.bucket_sizes)}", ManifestError)
+        _require(self.base_version < manifest.version,
+                 f"manifest.delta: base version {self.base_version} is not older than version {manifest.version}", ManifestError)
+        ends: list[list[tuple[int, int, str]]] = [[] for _ in self.bucket_sizes]
+        for spec, entry in zip(manifest.tensors, self.entries, strict=True):
+            name, d = spec.name, entry.delta
+            if d is None:
+                _require(entry.nbytes == spec.nbytes, f"tensor {name}: sent dense in {entry.nbytes} bytes, it has {spec.nbytes}", ManifestError)
+            else:
+                _require(d.name == name and d.dtype == spec.dtype and d.shape == spec.shape,
+                         f"tensor {name}: its patch is for {d.name} {list(d.shape)} {d.dtype}", ManifestError)
+                _require(d.checksum == manifest.checksum, f"tensor {name}: patch checksums are {d.checksum}, the manifest's {manifest.checksum}", ManifestError)
+                _require(d.base_version == self.base_version, f"tensor {name}: patch against version {d.base_version}, the update's base is {self.base_version}", ManifestError)
+                _require(d.result_checksum == entry.checksum, f"tensor {name}: patch result checksum differs from its entry's", ManifestError)
+                _require(entry.nbytes == d.nbytes, f"tensor {name}: payload of {entry.nbytes} bytes, its patch declares {d.nbytes}", ManifestError)
+            _require(entry.offset + entry.nbytes <= self.bucket_sizes[spec.bucket],
+                     f"tensor {name}: payload [{entry.offset}, {entry.offset + entry.nbytes}) overflows wire bucket {spec.bucket} "
+                     f"of {self.bucket_sizes[spec.bucket]} bytes", ManifestError)
+            ends[spec.bucket].append((entry.offset, entry.offset + entry.nbytes, name))
+        for index, spans in enumerate(ends):
+            end, last = 0, ""
+            for start, stop, name in sorted(spans):
+                _require(start >= end, f"tensor {name}: payload overlaps tensor {last} in wire bucket {index}", ManifestError)
+                end, last = stop, name
+
+
+def wire_telemetry(manifest: Any) -> dict[str, Any]:
+    """A sync's wire figures for its record (``SyncRecord``): the base version (0: dense), bytes on the wire,
+    dense bytes, tensors sent as patches and their density (changed elements per element; 0 for dense)."""
+    if manifest.delta is not None:
+        return dict(manifest.delta.telemetry(manifest))
+    dense = sum(t.nbytes for t in manifest.tensors)
+    return {"delta_base": 0, "wire_bytes": dense, "dense_bytes": dense, "delta_tensors": 0, "density": 0.0}

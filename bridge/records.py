@@ -30,6 +30,13 @@ class SyncRecord:
     noop: bool = False
     transport: str = ""  # the data plane the update's bytes came over (zmq, shm, gloo, nccl)
     adapter: str = ""  # a LoRA adapter's update: its name (``version`` is then the adapter's); empty: base weights
+    # delta updates (bridge/delta.py): the version the patches applied to (0: a dense update), bytes on the wire
+    # against the full tensors' bytes, tensors sent as patches and the share of their elements that changed
+    delta_base: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    delta_tensors: int = 0
+    density: float = 0.0
     timestamp: float = field(default_factory=time.time)
 
     @property

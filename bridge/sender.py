@@ -13,7 +13,8 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Self
 
@@ -43,6 +44,9 @@ class EngineReport:
     noop: bool = False
     engine: dict[str, Any] = field(default_factory=dict)
     kind: FailureKind | None = None  # why it failed (None when ok); ``reason`` says it for people
+    # a delta update this engine refused (kind ``base``: it does not serve the base) and that was resent to it
+    # dense: the refusal's reason (empty when it took the update as first sent)
+    dense_fallback: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class PublishReport:
     seconds: dict[str, float]
     engines: tuple[EngineReport, ...]
     held_bytes: int = 0  # packing buffers the publisher keeps for the next update (shm: in /dev/shm)
+    # delta telemetry (trainer_side/delta_publish.py): mode, base version, wire and dense bytes, density,
+    # engines resent dense; empty when deltas are off
+    delta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -165,12 +172,14 @@ class UpdateSender:
         if self._aborted:
             raise TransportError(f"the publisher was aborted: {self._aborted}")
         for sock, _ in self._poller.poll(int(timeout_s * 1000)):
-            peer = next(p for p in self._peers if p.socket is sock)
+            peer = next((p for p in self._peers if p.socket is sock), None)
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if peer is None:  # an engine left out of this send (``_only``): nothing of it concerns it
+                    continue
                 peer.last_heard = time.monotonic()
                 msg = wire.decode(frames[0])
                 if isinstance(msg, wire.EngineInfo):
@@ -227,13 +236,24 @@ class UpdateSender:
         t_start = time.perf_counter()
         self._current = manifest.version
         self._agreed_dtype()
-        manifest = replace(manifest, publisher=self.name, transport="shm")
+        manifest = replace(manifest, publisher=self.name, transport="shm", delta=None)  # staged buckets hold full tensors
 
         def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
             segment, sums = staged(index)
             return OutgoingBucket(index, None, (), segment=segment), sums
 
         return self._stream(manifest, self._plane(), produce, t_start)
+
+    @contextmanager
+    def _only(self, endpoints: Collection[str]) -> Iterator[None]:
+        """Send to the engines at ``endpoints`` alone until the block ends (a dense resend to the engines that
+        refused a delta); the others' sockets stay open, and what they send meanwhile is dropped."""
+        everyone = self._peers
+        self._peers = [p for p in everyone if p.endpoint in endpoints]
+        try:
+            yield
+        finally:
+            self._peers = everyone
 
     def _agreed_dtype(self) -> str:
         """Connect to every engine (once) and return the one dtype they serve; TransportError when they
@@ -256,8 +276,18 @@ class UpdateSender:
     def _stream(self, manifest: wire.Manifest, plane: SendPlane,
                 produce: Callable[[int, int], tuple[OutgoingBucket, tuple[int, ...]]], t_start: float) -> PublishReport:
         """Begin -> buckets in order (``produce(index, size)`` makes each one while the previous is on the
-        wire; never more in flight per engine than it granted) -> End -> every engine's ack."""
+        wire; never more in flight per engine than it granted) -> End -> every engine's ack; UpdateFailed
+        unless every engine applied it."""
+        report = self._stream_report(manifest, plane, produce, t_start)
+        self._raise_failed(report)
+        return report
+
+    def _stream_report(self, manifest: wire.Manifest, plane: SendPlane,
+                       produce: Callable[[int, int], tuple[OutgoingBucket, tuple[int, ...]]], t_start: float) -> PublishReport:
+        """``_stream`` without raising: the report, failed engines included. A delta manifest's buckets are
+        its wire buckets (``manifest.delta.bucket_sizes``)."""
         version = manifest.version
+        sizes = manifest.delta.bucket_sizes if manifest.delta is not None else manifest.bucket_sizes
         offers = plane.offers([p.endpoint for p in self._peers])
         for peer, offer in zip(self._peers, offers, strict=False):
             self._send(peer, offer)
@@ -272,7 +302,7 @@ class UpdateSender:
         packed: dict[int, tuple[int, ...]] = {}  # each bucket's checksums, to check the engines' no-ops
         try:
             self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.manifest_s, "manifest", self._peers)
-            for index, size in enumerate(manifest.bucket_sizes):
+            for index, size in enumerate(sizes):
                 t0 = time.perf_counter()
                 plane.reusable(self._released())
                 out, sums = produce(index, size)
@@ -303,20 +333,23 @@ class UpdateSender:
         finally:
             plane.release(failed=any(p.ack is None or not p.ack.ok for p in self._peers))
         seconds["total"] = time.perf_counter() - t_start
-        report = replace(self._report(manifest, seconds), held_bytes=plane.held_bytes)
+        return replace(self._report(manifest, seconds), held_bytes=plane.held_bytes)
+
+    @staticmethod
+    def _raise_failed(report: PublishReport) -> None:
+        """UpdateFailed naming every engine of ``report`` that did not apply its version."""
         failed = {e.endpoint: e.reason for e in report.engines if not e.ok}
         if failed:
             detail = "; ".join(f"{ep}: {why}" for ep, why in failed.items())
             kinds = {e.endpoint: e.kind or FailureKind.OTHER for e in report.engines if not e.ok}
-            raise UpdateFailed(f"version {version} was not applied by {len(failed)} of {len(self._peers)} engine(s): {detail}",
-                               failed, kinds)
-        return report
+            raise UpdateFailed(f"version {report.version} was not applied by {len(failed)} of {len(report.engines)} engine(s): "
+                               f"{detail}", failed, kinds)
 
     def _check_noops(self, manifest: wire.Manifest, packed: dict[int, tuple[int, ...]]) -> None:
         """An engine that answered "already served" sent the checksums it recorded for that version: where
         they differ from what this publisher packed, the version number was reused for other weights, and
         that engine's answer becomes a VersionConflict (it keeps serving its own; bridge/served.py)."""
-        ours = published_sums(manifest, packed)
+        ours = published_sums(manifest, packed) if manifest.delta is None else manifest.delta.result_sums(manifest)
         for peer in self._peers:
             ack = peer.ack
             if ack is None or not ack.ok or "served_checksums" not in ack.report:

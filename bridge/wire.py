@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from bridge import PROTOCOL_VERSION, checksums
 from bridge.errors import ManifestError, WireError
 from bridge.transports import COLLECTIVE
+
+if TYPE_CHECKING:
+    from bridge.delta import DeltaManifest
 
 # dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
 DTYPE_SIZES: dict[str, int] = {
@@ -206,6 +209,7 @@ class Manifest:
     protocol: int = PROTOCOL_VERSION
     checksum: str = "crc32"  # algorithm of every BucketHeader.checksums entry (see bridge/checksums.py)
     adapter: AdapterSpec | None = None  # a LoRA adapter's version, not the base weights (AdapterSpec)
+    delta: DeltaManifest | None = None  # the tensors travel as patches against a base version (bridge/delta.py)
 
     @property
     def total_bytes(self) -> int:
@@ -228,6 +232,7 @@ class Manifest:
             "probe": self.probe.to_wire() if self.probe else None,
             "checksum": self.checksum,
             **({"adapter": self.adapter.to_wire()} if self.adapter is not None else {}),
+            **({"delta": self.delta.to_wire()} if self.delta is not None else {}),
         }
 
     @classmethod
@@ -249,10 +254,14 @@ class Manifest:
             probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
             checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
             adapter=AdapterSpec.from_wire(raw["adapter"]) if raw.get("adapter") is not None else None,
+            delta=_delta_from_wire(raw["delta"]) if raw.get("delta") is not None else None,
         )
         known = (*checksums.KNOWN, checksums.NONE)
         _require(manifest.checksum in known, f"unknown checksum algorithm {manifest.checksum!r} (known: {', '.join(known)})")
         manifest.check_layout()
+        if manifest.delta is not None:
+            _require(manifest.adapter is None, "manifest: an adapter update cannot travel as a delta", ManifestError)
+            manifest.delta.check(manifest)
         return manifest
 
     def check_layout(self) -> None:
@@ -275,6 +284,12 @@ class Manifest:
                 if spec.offset < end:
                     raise ManifestError(f"tensor {spec.name} overlaps tensor {last} in bucket {index}")
                 end, last = spec.offset + spec.nbytes, spec.name
+
+
+def _delta_from_wire(raw: Any) -> DeltaManifest:
+    from bridge.delta import DeltaManifest  # bridge.delta builds on this module
+
+    return DeltaManifest.from_wire(raw)
 
 
 # ---- control messages -------------------------------------------------------------------------

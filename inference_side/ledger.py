@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any
 
 from bridge import wire
+from bridge.delta import wire_telemetry
 from bridge.records import SyncRecord
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport
 from inference_side.contract import EngineGate, StagedBucket
@@ -52,6 +53,7 @@ def sync_record(engine: str, manifest: wire.Manifest, ok: bool, reason: str, tim
         routed_bypass=max((len(r.routed_bypass) for r in ranks), default=0),
         transport=manifest.transport,
         adapter=manifest.adapter.name if manifest.adapter is not None else "",
+        **wire_telemetry(manifest),
         **(probe or {}),
     )
 

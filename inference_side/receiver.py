@@ -23,7 +23,7 @@ from typing import Any
 from bridge import wire
 from bridge.config import BridgeConfig
 from bridge.curve import ServerCurve, release_server, secure_server, server_curve
-from bridge.errors import BridgeError, WireError
+from bridge.errors import BridgeError, WireError, WrongBase
 from bridge.host_verdicts import verdict_key, verify_once
 from bridge.report import ApplyResult, FailureKind, describe, kind_of
 from bridge.served import ServedContent, bucket_sums, served_scope
@@ -32,6 +32,8 @@ from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
 from bridge.vllm_shm import sweep_vllm_segments
 from inference_side.contract import EngineGate, StagedBucket
+from inference_side.delta_base import BaseStore, rebuild
+from inference_side.delta_base import copy as copy_bucket
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
 
@@ -67,6 +69,8 @@ class SyncReceiver:
         self._served = ServedContent()  # checksums of what the engine serves (answers a re-sent version)
         self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
         self._curve: ServerCurve | None = None
+        # delta updates: the version last applied, to rebuild full tensors from patches
+        self.bases = BaseStore() if config.sync.delta else None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -123,7 +127,10 @@ class SyncReceiver:
         for bucket in buckets:
             if self.gate.load(manifest, bucket).error:
                 break  # finish reports the failure
-        return self.gate.finish(manifest, timings)
+        result = self.gate.finish(manifest, timings)
+        if self.bases is not None and result.ok and not result.report.get("noop"):
+            self.bases.keep(manifest, buckets)  # the next delta's base
+        return result
 
     def _progress(self, sock: Any, session: Session) -> bool:
         """Streaming: credit back every bucket loaded so far, in order, and free its staging; on a failed
@@ -329,6 +336,10 @@ class SyncReceiver:
                        "sync.checksum is none) and this engine verifies them (sync.verify_checksums: true)")
             return
         try:
+            if manifest.delta is not None:
+                if self.bases is None:
+                    raise WrongBase("this engine keeps no base for delta updates (sync.delta: false)")
+                self.bases.check(manifest)
             self._plane(manifest.transport).begin(identity)
         except BridgeError as exc:
             self._refuse(sock, identity, manifest.version, exc)
@@ -353,7 +364,7 @@ class SyncReceiver:
         if header.version != m.version or header.index >= len(m.bucket_sizes) or header.index in session.buckets:
             self._fail(sock, identity, m.version, FailureKind.WIRE, f"unexpected bucket {header.index} of version {header.version}")
             return
-        size = m.bucket_sizes[header.index]
+        size = (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[header.index]
         t0 = time.perf_counter()
         try:
             segment = self._plane(m.transport).land(identity, m.version, header, payload, size,
@@ -372,10 +383,10 @@ class SyncReceiver:
         """Bucket ``index`` lies complete in ``segment``: verify it (once per host for a publisher's shm
         segment sent under ``token``), then load it (streaming) or credit it back."""
         m = session.manifest
-        specs = m.by_bucket()[index]
+        specs = m.by_bucket()[index] if m.delta is None else m.delta.wire_specs(m)[index]  # a delta: its payloads
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
         session.sums.update(bucket_sums(specs, checksums))
-        session.bytes_in += m.bucket_sizes[index]
+        session.bytes_in += (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[index]
         try:
             scfg = self.config.sync
             if scfg.verify_checksums or scfg.nonfinite == "reject":
@@ -392,11 +403,21 @@ class SyncReceiver:
                         session.verified_by_peer += 1
                 else:
                     check()
+            if m.delta is not None and self.bases is not None:  # the full tensors, checked, into staging
+                wire_bucket = session.buckets[index]
+                session.buckets[index] = rebuild(m, m.delta, index, wire_bucket, self.bases, self._pool, scfg.nonfinite)
+                session.sums.update(bucket_sums(session.buckets[index].specs, session.buckets[index].checksums))
+                if wire_bucket.segment.owner:
+                    self._pool.give(wire_bucket.segment)
+                else:  # the publisher's shm segment
+                    wire_bucket.segment.close()
         except BridgeError as exc:
             self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
         if session.streaming:
+            if self.bases is not None and m.adapter is None:  # the next delta's base, kept once this one is applied
+                session.kept.update(copy_bucket(session.buckets[index]))
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
             return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
@@ -464,6 +485,8 @@ class SyncReceiver:
                     if result.ok and not result.report.get("noop"):
                         m = session.manifest
                         self._served.record(m.checksum, session.sums, (t.name for t in m.tensors), served_scope(m))
+                        if session.streaming and self.bases is not None:
+                            self.bases.commit(m, session.kept)
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     report.setdefault("buckets_verified_by_peer", session.verified_by_peer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from bridge import wire
 from bridge.report import ApplyResult, LoadResult
@@ -41,6 +42,7 @@ class Session:
     unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
     sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
+    kept: dict[str, Any] = field(default_factory=dict)  # streaming, delta bases: each staged tensor's copy and checksum
 
     def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
         """End the session (the engine's open update is aborted with ``reason``); with ``pool``, receive

@@ -14,15 +14,20 @@ from typing import Any
 
 from bridge import wire
 from bridge.errors import ConfigError
-from bridge.sender import EngineReport, PublishReport, UpdateSender
+from bridge.sender import EngineReport, PublishReport
 from bridge.transports.base import OutgoingBucket
+from trainer_side.delta_publish import DeltaSender
 from trainer_side.packing import iter_named, make_plan, pack_bucket, plan_specs
 
 __all__ = ["EngineReport", "PublishReport", "WeightPublisher"]
 
 
-class WeightPublisher(UpdateSender):
-    """Publishes weight versions to one or more inference endpoints (``tcp://host:port``)."""
+class WeightPublisher(DeltaSender):
+    """Publishes weight versions to one or more inference endpoints (``tcp://host:port``).
+
+    With ``sync.delta`` (the default) it keeps the last version every engine applied (one model of host RAM
+    in the wire dtype, two while publishing; ``base_bytes``) and sends each tensor as a patch against it when
+    that pays; an engine that does not serve that base gets the version dense (trainer_side/delta_publish.py)."""
 
     # ---- publish ------------------------------------------------------------------------------
     def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int,
@@ -43,6 +48,8 @@ class WeightPublisher(UpdateSender):
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
                                  publisher=self.name, transport=self.transport, probe=probe, checksum=self._checksum(),
                                  adapter=adapter)
+        if self.config.sync.delta and adapter is None:
+            return self._publish_delta(manifest, plan, tensors, t_start)
         plane = self._plane()
 
         def pack(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
