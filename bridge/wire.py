@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from bridge import PROTOCOL_VERSION, checksums
 from bridge.errors import ManifestError, WireError
 from bridge.transports import COLLECTIVE
+
+if TYPE_CHECKING:
+    from bridge.shards import ShardManifest
 
 # dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
 DTYPE_SIZES: dict[str, int] = {
@@ -206,6 +209,9 @@ class Manifest:
     protocol: int = PROTOCOL_VERSION
     checksum: str = "crc32"  # algorithm of every BucketHeader.checksums entry (see bridge/checksums.py)
     adapter: AdapterSpec | None = None  # a LoRA adapter's version, not the base weights (AdapterSpec)
+    # sent by many trainer ranks: which rank writes which byte ranges of each tensor (bridge/shards.py);
+    # each bucket header then carries one checksum per range of the bucket, in this manifest's range order
+    shards: ShardManifest | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -228,6 +234,7 @@ class Manifest:
             "probe": self.probe.to_wire() if self.probe else None,
             "checksum": self.checksum,
             **({"adapter": self.adapter.to_wire()} if self.adapter is not None else {}),
+            **({"shards": self.shards.to_wire()} if self.shards is not None else {}),
         }
 
     @classmethod
@@ -249,10 +256,15 @@ class Manifest:
             probe=ProbeSpec.from_wire(raw["probe"]) if raw.get("probe") is not None else None,
             checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
             adapter=AdapterSpec.from_wire(raw["adapter"]) if raw.get("adapter") is not None else None,
+            shards=_shards(raw["shards"]) if raw.get("shards") is not None else None,
         )
         known = (*checksums.KNOWN, checksums.NONE)
         _require(manifest.checksum in known, f"unknown checksum algorithm {manifest.checksum!r} (known: {', '.join(known)})")
         manifest.check_layout()
+        if manifest.shards is not None:
+            from bridge.shards import check_matches
+
+            check_matches(manifest.shards, manifest.tensors)
         return manifest
 
     def check_layout(self) -> None:
@@ -275,6 +287,12 @@ class Manifest:
                 if spec.offset < end:
                     raise ManifestError(f"tensor {spec.name} overlaps tensor {last} in bucket {index}")
                 end, last = spec.offset + spec.nbytes, spec.name
+
+
+def _shards(raw: Any) -> ShardManifest:
+    from bridge.shards import ShardManifest
+
+    return ShardManifest.from_wire(raw)
 
 
 # ---- control messages -------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from bridge.shm import Segment, SegmentPool, sweep_orphans
 from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
 from inference_side.contract import EngineGate, StagedBucket
+from inference_side.ranges import verify_ranges
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
 
@@ -365,7 +366,8 @@ class SyncReceiver:
         m = session.manifest
         specs = m.by_bucket()[index]
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
-        session.sums.update(bucket_sums(specs, checksums))
+        if m.shards is None:  # (a sharded update's checksums are per range: none recorded per tensor)
+            session.sums.update(bucket_sums(specs, checksums))
         session.bytes_in += m.bucket_sizes[index]
         try:
             scfg = self.config.sync
@@ -373,6 +375,10 @@ class SyncReceiver:
                 algorithm = m.checksum if scfg.verify_checksums else "none"
 
                 def check() -> None:
+                    if m.shards is not None:  # written by many trainer ranks: one checksum per range
+                        verify_ranges(segment.buffer, index, specs, session.ranges()[index], checksums, scfg.nonfinite,
+                                      algorithm)
+                        return
                     verify_bucket(segment.buffer, specs, checksums, scfg.nonfinite, algorithm)
 
                 if token and scfg.verify_once_per_host:

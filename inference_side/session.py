@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from bridge import wire
 from bridge.report import ApplyResult, LoadResult
@@ -41,6 +42,17 @@ class Session:
     unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
     sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
+    _ranges: list[list[Any]] | None = None  # a sharded update's ranges per bucket (see ranges())
+
+    def ranges(self) -> list[list[Any]]:
+        """A sharded update's byte ranges per bucket, in the order of a bucket header's checksums (computed
+        once per update)."""
+        if self._ranges is None:
+            from bridge.shards import bucket_ranges
+
+            assert self.manifest.shards is not None
+            self._ranges = bucket_ranges(self.manifest.shards, self.manifest.tensors, len(self.manifest.bucket_sizes))
+        return self._ranges
 
     def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
         """End the session (the engine's open update is aborted with ``reason``); with ``pool``, receive
