@@ -7,6 +7,8 @@ Scenarios (the same on every rank unless said):
   the local shards);
 * ``kill``: version 4 (``build_model("tiny", 4)``); rank 1 SIGKILLs itself (a test-side patch of the
   publisher's write) when it reaches bucket 1, a second after reporting bucket 0;
+* ``corrupt``: version 6; rank 1 flips one bit of the first range it writes after summing it (a test-side
+  patch of the publisher's write), as memory corrupted between the sum and the engine would;
 * ``steal``: version 5; rank 1 claims rank 0's rows of ``model.norm.weight`` (a test-side patch of its
   block) instead of its own.
 
@@ -96,6 +98,19 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
 
                 multi_rank.RankedPublisher._write = dying_write  # type: ignore[method-assign]
             publish(sharded_model(4, mesh), 4)
+        elif scenario == "corrupt":
+            if rank == 1:
+                write = multi_rank.RankedPublisher._write
+
+                def corrupting_write(self: Any, index: int, buffer: Any, specs: Any, mine: Any, *args: Any) -> Any:
+                    sums = write(self, index, buffer, specs, mine, *args)
+                    if index == 0 and mine:
+                        at = specs[mine[0].name].offset + mine[0].offset
+                        buffer[at] ^= 1
+                    return sums
+
+                multi_rank.RankedPublisher._write = corrupting_write  # type: ignore[method-assign]
+            publish(sharded_model(6, mesh), 6)
         elif scenario == "steal":
             if rank == 1:
                 import dataclasses

@@ -2,7 +2,8 @@
 ``fully_shard`` of tiny Qwen2, ``full_tensor`` made to raise in them) publish with ``RankedPublisher`` into
 a real engine (``InferenceActor``) over shared memory, each rank writing only its own shards. The engine
 then equals an engine cold-loaded from the full weights (the oracle, built unsharded here); a rank killed
-mid-publish, or one claiming another rank's bytes, leaves it on its version, the error naming the rank."""
+mid-publish, one claiming another rank's bytes, or one whose bytes changed after it summed them leaves it on its
+version, the error naming the rank."""
 
 from __future__ import annotations
 
@@ -82,4 +83,20 @@ def test_rank_claiming_another_ranks_bytes_fails_on_every_rank(engine: Any, tmp_
         (r,) = res
         assert (r["version"], r["ok"], r["error"], r["ranks"]) == (5, False, "ShardError", [0, 1]), r
         assert "model.norm.weight" in r["message"] and "sent by both rank 0 and rank 1" in r["message"], r
+    assert ray.get(engine.version.remote()) == served
+
+
+def test_a_range_whose_bytes_changed_is_refused_naming_its_rank(engine: Any, tmp_path: Path) -> None:
+    """Rank 1's first range in bucket 0 has one bit flipped after it was summed: the engine's per-range check
+    refuses the update naming tensor, bytes and rank 1; nothing is applied and every rank raises it."""
+    import ray
+
+    served = ray.get(engine.version.remote())
+    codes, results, logs = run_ranks(_endpoint(engine), "corrupt", 2, tmp_path, timeout=240)
+    assert codes == [0, 0], logs
+    for res in results:
+        (r,) = res
+        assert (r["version"], r["ok"], r["error"]) == (6, False, "UpdateFailed"), r
+        (reason,) = r["reasons"].values()
+        assert "ChecksumError" in reason and "from rank 1: checksum mismatch" in reason, reason
     assert ray.get(engine.version.remote()) == served
