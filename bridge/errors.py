@@ -61,6 +61,17 @@ class DeadlineExceeded(TransportError):
     kind: ClassVar[FailureKind] = FailureKind.TIMEOUT
 
 
+class RankFailed(TransportError):
+    """A trainer rank of a multi-rank publish died, went silent past a deadline or failed its own part of
+    the update. ``rank`` names it."""
+
+    kind: ClassVar[FailureKind] = FailureKind.TRANSPORT
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 class VersionError(BridgeError):
     """A weight version is older than the one the engine serves."""
 

@@ -36,10 +36,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from bridge.buckets import order_by_layer
+from bridge.buckets import order_by_layer, plan_buckets
 from bridge.errors import ManifestError, WireError
 from bridge.report import FailureKind
-from bridge.wire import DTYPE_SIZES, MAX_NDIM
+from bridge.wire import DTYPE_SIZES, MAX_NDIM, TensorSpec
 
 MAX_RANKS = 1 << 20
 
@@ -297,6 +297,16 @@ class RankPlan:
     tensors: tuple[TensorHeader, ...]
     ranges: tuple[RangeSpec, ...]
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"rank": self.rank, "tensors": [t.to_wire() for t in self.tensors], "ranges": [r.to_wire() for r in self.ranges]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> RankPlan:
+        if not isinstance(raw, dict) or not isinstance(raw.get("tensors"), list) or not isinstance(raw.get("ranges"), list):
+            raise WireError("a rank's plan must be a map with lists tensors and ranges")
+        return cls(_int(raw.get("rank"), "plan rank", 0, MAX_RANKS), tuple(TensorHeader.from_wire(t) for t in raw["tensors"]),
+                   tuple(RangeSpec.from_wire(r) for r in raw["ranges"]))
+
 
 def local_plan(rank: int, shards: Iterable[LocalShard]) -> RankPlan:
     """A rank's plan from its shards: every tensor's header and the ranges it sends (checksums 0)."""
@@ -384,3 +394,38 @@ def agree(plans: Sequence[RankPlan], world_size: int) -> ShardManifest:
     manifest = ShardManifest(world_size, tuple(ordered), tuple(ranges))
     manifest.validate()
     return manifest
+
+
+def check_matches(shards: ShardManifest, tensors: Sequence[TensorSpec]) -> None:
+    """A shard manifest describes exactly the update's tensors (same names, dtypes and shapes): ShardError
+    naming the first tensor that differs."""
+    specs = {t.name: t for t in tensors}
+    headers = {t.name: t for t in shards.tensors}
+    for name in sorted(set(specs) ^ set(headers)):
+        where = "the update" if name in specs else "the shard manifest"
+        raise ShardError(f"tensor {name} is listed only in {where}", name)
+    for name, header in headers.items():
+        spec = specs[name]
+        if (spec.dtype, spec.shape) != (header.dtype, header.shape):
+            raise ShardError(f"tensor {name}: the update says {spec.dtype} {list(spec.shape)}, the shard manifest "
+                             f"{header.dtype} {list(header.shape)}", name)
+
+
+def layout(shards: ShardManifest, bucket_bytes: int) -> tuple[tuple[TensorSpec, ...], tuple[int, ...]]:
+    """The full-tensor bucket layout of a sharded update (what a single-process publisher would send): each
+    tensor's bucket and offset, in the shard manifest's (layer) order, and the bucket sizes. Every rank
+    computes the same from the agreed manifest; a range lands at its tensor's offset plus its own."""
+    placements, sizes = plan_buckets([(t.name, t.nbytes) for t in shards.tensors], bucket_bytes)
+    specs = tuple(TensorSpec(t.name, t.dtype, t.shape, p.bucket, p.offset, p.nbytes)
+                  for t, p in zip(shards.tensors, placements, strict=True))
+    return specs, tuple(sizes)
+
+
+def bucket_ranges(shards: ShardManifest, tensors: Sequence[TensorSpec], n_buckets: int) -> list[list[RangeSpec]]:
+    """The ranges of each bucket (the bucket of its tensor), in the manifest's range order: the order of a
+    bucket header's checksums."""
+    bucket_of = {t.name: t.bucket for t in tensors}
+    out: list[list[RangeSpec]] = [[] for _ in range(n_buckets)]
+    for r in shards.ranges:
+        out[bucket_of[r.name]].append(r)
+    return out

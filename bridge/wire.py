@@ -19,6 +19,7 @@ from bridge.transports import COLLECTIVE
 
 if TYPE_CHECKING:
     from bridge.delta import DeltaManifest
+    from bridge.shards import ShardManifest
 
 # dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
 DTYPE_SIZES: dict[str, int] = {
@@ -210,6 +211,9 @@ class Manifest:
     checksum: str = "crc32"  # algorithm of every BucketHeader.checksums entry (see bridge/checksums.py)
     adapter: AdapterSpec | None = None  # a LoRA adapter's version, not the base weights (AdapterSpec)
     delta: DeltaManifest | None = None  # the tensors travel as patches against a base version (bridge/delta.py)
+    # sent by many trainer ranks: which rank writes which byte ranges of each tensor (bridge/shards.py);
+    # each bucket header then carries one checksum per range of the bucket, in this manifest's range order
+    shards: ShardManifest | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -233,6 +237,7 @@ class Manifest:
             "checksum": self.checksum,
             **({"adapter": self.adapter.to_wire()} if self.adapter is not None else {}),
             **({"delta": self.delta.to_wire()} if self.delta is not None else {}),
+            **({"shards": self.shards.to_wire()} if self.shards is not None else {}),
         }
 
     @classmethod
@@ -255,6 +260,7 @@ class Manifest:
             checksum=_str(raw.get("checksum", "crc32"), "manifest.checksum", 32),
             adapter=AdapterSpec.from_wire(raw["adapter"]) if raw.get("adapter") is not None else None,
             delta=_delta_from_wire(raw["delta"]) if raw.get("delta") is not None else None,
+            shards=_shards(raw["shards"]) if raw.get("shards") is not None else None,
         )
         known = (*checksums.KNOWN, checksums.NONE)
         _require(manifest.checksum in known, f"unknown checksum algorithm {manifest.checksum!r} (known: {', '.join(known)})")
@@ -262,6 +268,12 @@ class Manifest:
         if manifest.delta is not None:
             _require(manifest.adapter is None, "manifest: an adapter update cannot travel as a delta", ManifestError)
             manifest.delta.check(manifest)
+        if manifest.shards is not None:
+            from bridge.shards import check_matches
+
+            check_matches(manifest.shards, manifest.tensors)
+        _require(manifest.delta is None or manifest.shards is None,
+                 "manifest: an update sent by many trainer ranks cannot travel as a delta yet", ManifestError)
         return manifest
 
     def check_layout(self) -> None:
@@ -290,6 +302,10 @@ def _delta_from_wire(raw: Any) -> DeltaManifest:
     from bridge.delta import DeltaManifest  # bridge.delta builds on this module
 
     return DeltaManifest.from_wire(raw)
+def _shards(raw: Any) -> ShardManifest:
+    from bridge.shards import ShardManifest
+
+    return ShardManifest.from_wire(raw)
 
 
 # ---- control messages -------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from bridge.vllm_shm import sweep_vllm_segments
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.delta_base import BaseStore, rebuild
 from inference_side.delta_base import copy as copy_bucket
+from inference_side.ranges import verify_ranges
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
 
@@ -385,7 +386,8 @@ class SyncReceiver:
         m = session.manifest
         specs = m.by_bucket()[index] if m.delta is None else m.delta.wire_specs(m)[index]  # a delta: its payloads
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
-        session.sums.update(bucket_sums(specs, checksums))
+        if m.shards is None:  # (a sharded update's checksums are per range: none recorded per tensor)
+            session.sums.update(bucket_sums(specs, checksums))
         session.bytes_in += (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[index]
         try:
             scfg = self.config.sync
@@ -393,6 +395,10 @@ class SyncReceiver:
                 algorithm = m.checksum if scfg.verify_checksums else "none"
 
                 def check() -> None:
+                    if m.shards is not None:  # written by many trainer ranks: one checksum per range
+                        verify_ranges(segment.buffer, index, specs, session.ranges()[index], checksums, scfg.nonfinite,
+                                      algorithm)
+                        return
                     verify_bucket(segment.buffer, specs, checksums, scfg.nonfinite, algorithm)
 
                 if token and scfg.verify_once_per_host:

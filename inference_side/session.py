@@ -43,6 +43,17 @@ class Session:
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
     sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
     kept: dict[str, Any] = field(default_factory=dict)  # streaming, delta bases: each staged tensor's copy and checksum
+    _ranges: list[list[Any]] | None = None  # a sharded update's ranges per bucket (see ranges())
+
+    def ranges(self) -> list[list[Any]]:
+        """A sharded update's byte ranges per bucket, in the order of a bucket header's checksums (computed
+        once per update)."""
+        if self._ranges is None:
+            from bridge.shards import bucket_ranges
+
+            assert self.manifest.shards is not None
+            self._ranges = bucket_ranges(self.manifest.shards, self.manifest.tensors, len(self.manifest.bucket_sizes))
+        return self._ranges
 
     def close(self, reason: str = "update abandoned", pool: SegmentPool | None = None) -> None:
         """End the session (the engine's open update is aborted with ``reason``); with ``pool``, receive

@@ -1,0 +1,63 @@
+"""Running the trainer ranks of tests/ranks_worker.py (real processes, gloo on CPU) and the weights they
+publish, for tests/test_multi_rank.py and tests/test_multi_rank_engine.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import ROOT, child_env
+
+PORTS = range(18400, 18500)  # MASTER_PORT of the ranks' process group
+
+
+def master_port() -> int:
+    for port in PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+def run_ranks(endpoint: str, scenario: str, world: int, out: Path, first: int = 2, kind: str = "tiny",
+              timeout: float = 600) -> tuple[list[int], list[list[dict[str, Any]]], str]:
+    """Start ``world`` ranks of ``scenario`` publishing to ``endpoint``; their exit codes, each rank's
+    results (empty for a rank that wrote none) and their logs."""
+    port = master_port()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "ranks_worker.py"), str(r), str(world), str(port),
+                               str(out), endpoint, scenario, str(first), kind],
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             for r in range(world)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else [])
+    return [p.returncode for p in procs], results, "\n".join(logs)[-6000:]
+
+
+def full_weights(seed: int, scale: float = 1.0, kind: str = "tiny") -> Any:
+    """The unsharded model the ranks publish (``build_model(kind, seed)``, every parameter times ``scale``
+    as the ranks scale their shards): the oracle's weights."""
+    import torch
+
+    from devtools.tiny_models import build_model
+
+    model = build_model(kind, seed)
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+    return model

@@ -1,0 +1,138 @@
+"""One trainer rank of tests/test_multi_rank.py: tiny Qwen2 under FSDP2 ``fully_shard`` over gloo on CPU,
+publishing with ``RankedPublisher`` (every rank its own shards; ``DTensor.full_tensor`` and ``redistribute``
+made to raise in this process). Writes what each publish returned to ``OUT/rank{R}.json``.
+
+Scenarios (the same on every rank unless said):
+* ``versions``: versions 2 (``build_model("tiny", 2)``) and 3 (version 2's weights times 0.5, computed on
+  the local shards);
+* ``kill``: version 4 (``build_model("tiny", 4)``); rank 1 SIGKILLs itself (a test-side patch of the
+  publisher's write) when it reaches bucket 1, a second after reporting bucket 0;
+* ``corrupt``: version 6; rank 1 flips one bit of the first range it writes after summing it (a test-side
+  patch of the publisher's write), as memory corrupted between the sum and the engine would;
+* ``steal``: version 5; rank 1 claims rank 0's rows of ``model.norm.weight`` (a test-side patch of its
+  block) instead of its own.
+
+Run: python tests/ranks_worker.py RANK WORLD PORT OUT ENDPOINT SCENARIO [FIRST_VERSION [KIND]]
+(``versions`` publishes FIRST_VERSION and FIRST_VERSION + 1, default 2 and 3, with the same weights; KIND is a
+devtools.tiny_models kind, ``tiny`` (Qwen2) unless given.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+# bucket_s far above the test's own deadlines: a dead rank must be found dead, not timed out
+CONFIG = {"transport": {"kind": "shm", "bucket_mb": 0.25}, "deadlines": {"bucket_s": 300, "manifest_s": 120}}
+
+
+def sharded_model(seed: int, mesh: Any, kind: str = "tiny") -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    from devtools.tiny_models import build_model
+
+    model = build_model(kind, seed)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: str, first: int = 2,
+         kind: str = "tiny") -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import trainer_side.multi_rank as multi_rank
+    from bridge.config import config_from_dict
+    from bridge.errors import BridgeError
+    from trainer_side.multi_rank import RankedPublisher
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: list[dict[str, Any]] = []
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a rank gathered a full tensor")
+
+    DTensor.full_tensor = refuse  # type: ignore[method-assign]
+    DTensor.redistribute = refuse  # type: ignore[method-assign]
+    mesh = init_device_mesh("cpu", (world,))
+    publisher = RankedPublisher([endpoint], config=config_from_dict(CONFIG))
+
+    def publish(model: Any, version: int) -> None:
+        try:
+            report = publisher.publish(model.state_dict(), version)
+            results.append({"version": version, "ok": True, "bytes": report.bytes,
+                            "verified": [e.verified for e in report.engines]})
+        except BridgeError as exc:
+            results.append({"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc),
+                            "reasons": getattr(exc, "reasons", {}), "ranks": list(getattr(exc, "ranks", ()))})
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+
+    try:
+        if scenario == "versions":
+            model = sharded_model(2, mesh, kind)
+            publish(model, first)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().mul_(0.5)
+            publish(model, first + 1)
+        elif scenario == "kill":
+            if rank == 1:
+                write = multi_rank.RankedPublisher._write
+
+                def dying_write(self: Any, index: int, *args: Any) -> Any:
+                    if index == 1:
+                        time.sleep(1.0)  # its report of bucket 0 leaves the socket first
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return write(self, index, *args)
+
+                multi_rank.RankedPublisher._write = dying_write  # type: ignore[method-assign]
+            publish(sharded_model(4, mesh), 4)
+        elif scenario == "corrupt":
+            if rank == 1:
+                write = multi_rank.RankedPublisher._write
+
+                def corrupting_write(self: Any, index: int, buffer: Any, specs: Any, mine: Any, *args: Any) -> Any:
+                    sums = write(self, index, buffer, specs, mine, *args)
+                    if index == 0 and mine:
+                        at = specs[mine[0].name].offset + mine[0].offset
+                        buffer[at] ^= 1
+                    return sums
+
+                multi_rank.RankedPublisher._write = corrupting_write  # type: ignore[method-assign]
+            publish(sharded_model(6, mesh), 6)
+        elif scenario == "steal":
+            if rank == 1:
+                import dataclasses
+
+                own = multi_rank.local_shard
+
+                def stealing(name: str, tensor: Any, r: int, replica: int | None = None) -> Any:
+                    shard = own(name, tensor, r, replica)
+                    if name == "model.norm.weight":
+                        return dataclasses.replace(shard, offset=(0,))  # rank 0's rows
+                    return shard
+
+                multi_rank.local_shard = stealing  # type: ignore[assignment]
+            publish(sharded_model(5, mesh), 5)
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+    finally:
+        publisher.close()
+        if scenario != "kill":
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6],
+         int(sys.argv[7]) if len(sys.argv) > 7 else 2, sys.argv[8] if len(sys.argv) > 8 else "tiny")

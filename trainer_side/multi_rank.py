@@ -1,0 +1,436 @@
+"""Publishing from every rank of a multi-rank trainer (torchrun, FSDP2 ``fully_shard``, tensor parallel):
+no rank gathers a tensor it does not hold.
+
+Every rank builds a ``RankedPublisher`` with the same endpoints and calls ``publish`` with its own view of
+the weights (``model.state_dict()`` under FSDP2: ``Shard(0)`` DTensors; ``Shard(d)`` / ``Replicate``
+DTensors; plain tensors, which count as held by every rank and are sent by rank 0). One version:
+
+1. rank 0 connects to the engines (their dtype is the travel dtype) and tells the ranks to plan;
+2. each rank plans its byte ranges from its local shards (``trainer_side.shard_view``) and sends the plan to
+   rank 0, which merges them into one ``ShardManifest`` (``bridge.shards.agree``: every rank present once,
+   every byte of every tensor sent by exactly one rank) and lays the full tensors out in buckets as a
+   single-process publisher would (``bridge.shards.layout``);
+3. rank 0 creates the buckets' shared-memory segments and hands their names out; each rank writes its
+   ranges into them at their offsets (strided ranges of inner-dim shards are re-laid by the write) bucket by
+   bucket, and reports each bucket with one checksum per range it wrote;
+4. rank 0 sends the manifest (with ``shards``) and each bucket header once every rank reported that bucket,
+   the header's checksums being the ranges' (the receiver verifies each range: inference_side/ranges.py);
+5. rank 0 tells every rank the outcome: each returns the same ``PublishReport`` or raises the same error.
+
+A rank that dies (its process is gone), fails its own part or reports nothing within ``deadlines.bucket_s``
+fails the update with ``RankFailed`` naming it; once the engines saw the manifest they are told to drop the
+update (staged: nothing applied), and ``publish`` raises ``UpdateFailed`` whose reasons name the rank.
+
+The ranks talk to rank 0 over a private ZMQ ipc socket (its address is broadcast once, when the publisher is
+built, through the process group), so after that no collective is needed and every wait has a deadline.
+Transport: ``shm`` (every rank on the engines' host). Memory per rank beyond its own shards: one tensor's
+local shard cast to the travel dtype at a time; the buckets lie in /dev/shm as for a staged single-process
+shm publish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+
+from bridge import checksums, wire
+from bridge.config import BridgeConfig, load_config
+from bridge.errors import BridgeError, ConfigError, RankFailed, TransportError, UpdateFailed
+from bridge.report import describe, parse_kind
+from bridge.sender import EngineReport, PublishReport, UpdateSender
+from bridge.shards import (
+    LocalShard,
+    RangeSpec,
+    RankPlan,
+    ShardError,
+    agree,
+    bucket_ranges,
+    layout,
+    local_plan,
+)
+from bridge.transports.base import OutgoingBucket
+from trainer_side.packing import iter_named
+from trainer_side.shard_view import is_dtensor, local_shard, range_views
+
+__all__ = ["RankedPublisher"]
+
+POLL_S = 0.02
+
+
+def _pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class _Channel:
+    """Rank 0's ROUTER (``bind``) or another rank's DEALER (``connect``) for the publisher's own messages."""
+
+    def __init__(self, address: str | None, rank: int) -> None:
+        import zmq
+
+        self._ctx: Any = zmq.Context.instance()
+        self._dir = ""
+        if address is None:
+            self._dir = tempfile.mkdtemp(prefix="wb-ranks-")  # 0700: only this user's processes connect
+            self.address = f"ipc://{self._dir}/ranks.sock"
+            self.sock = self._ctx.socket(zmq.ROUTER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.bind(self.address)
+        else:
+            self.address = address
+            self.sock = self._ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+            self.sock.connect(address)
+
+    def send(self, msg: dict[str, Any], to: int | None = None) -> None:
+        body = msgpack.packb(msg, use_bin_type=True)
+        self.sock.send_multipart([f"rank{to}".encode(), body] if to is not None else [body])
+
+    def recv(self, timeout_s: float) -> tuple[int, dict[str, Any]] | None:
+        """The next message (sender's rank, body), or None when none came within ``timeout_s``."""
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        frames = self.sock.recv_multipart()
+        body = msgpack.unpackb(frames[-1], raw=False)
+        rank = int(frames[0].decode().removeprefix("rank")) if len(frames) > 1 else 0
+        return rank, body
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _ControlPeer(UpdateSender):
+    """Rank 0's link to the engines: the sending half of the protocol, unchanged."""
+
+
+class RankedPublisher:
+    """Publishes weight versions from every rank of a process group (default: the world) to one or more
+    engines on this host. Build it on every rank (a collective: the ranks learn where rank 0 listens) and
+    call ``publish`` on every rank with the same version."""
+
+    def __init__(self, endpoints: list[str] | str, config: BridgeConfig | str | None = None, name: str | None = None,
+                 group: Any = None, transport: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.config = config if isinstance(config, BridgeConfig) else load_config(config)
+        self.transport = transport or self.config.transport.kind
+        if self.transport != "shm":
+            raise ConfigError(f"a multi-rank publish travels over shm for now (every rank writes its ranges into the "
+                              f"shared buckets), not {self.transport}: set transport.kind to shm")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._control: _ControlPeer | None = None
+        self._pids: dict[int, int] = {}
+        self._inbox: dict[Any, Any] = {}  # rank 0: (rank, kind, bucket) -> a message not yet waited for
+        self._root_pid = 0
+        deadlines = self.config.deadlines
+        if self.rank == 0:
+            self._control = _ControlPeer(endpoints, self.config, name=name, transport="shm")
+            self._channel = _Channel(None, 0)
+            self.name = self._control.name
+        box: list[Any] = [(self._channel.address, self.name) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if self.rank != 0:
+            address, self.name = box[0]
+            self._channel = _Channel(address, self.rank)
+            self._channel.send({"t": "hello", "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()})
+            welcome = self._await({"welcome"}, 0, deadlines.connect_s, "the welcome of rank 0")
+            self._root_pid = int(welcome["pid"])
+            return
+        end = time.monotonic() + deadlines.connect_s
+        host = socket.gethostname()
+        while len(self._pids) < self.world - 1:
+            got = self._channel.recv(min(max(end - time.monotonic(), 0.0), 0.2))
+            if got is None:
+                if time.monotonic() > end:
+                    missing = [r for r in range(1, self.world) if r not in self._pids]
+                    raise RankFailed(f"trainer rank(s) {missing} did not join the publisher within {deadlines.connect_s}s",
+                                     missing[0])
+                continue
+            rank, msg = got
+            if msg.get("t") != "hello":
+                continue
+            if msg.get("host") != host:
+                raise RankFailed(f"trainer rank {rank} runs on {msg.get('host')}, not on rank 0's host {host}: shm needs "
+                                 f"every rank on the engines' host", rank)
+            self._pids[rank] = int(msg["pid"])
+        for rank in self._pids:
+            self._channel.send({"t": "welcome", "pid": os.getpid()}, to=rank)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the engines' link (rank 0) and the ranks' channel; closing twice is harmless."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if not self._channel.sock.closed:
+            self._channel.close()
+
+    def __enter__(self) -> RankedPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- publish ---------------------------------------------------------------------------------
+    def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int,
+                probe: wire.ProbeSpec | None = None) -> PublishReport:
+        """Send this rank's share of ``version`` (its local shards of ``weights``: a state dict or named
+        tensors, DTensors or plain ones); every rank of the group must call it with the same version.
+        Returns the same ``PublishReport`` on every rank once every engine applied the version; raises the
+        same error on every rank otherwise (``UpdateFailed``; ``ShardError`` when the ranks' shards do not
+        make up the tensors exactly once; ``RankFailed`` when a rank failed before the engines were told).
+        ``probe`` is taken from rank 0."""
+        named = list(iter_named(weights))
+        if self.rank == 0:
+            return self._publish_root(named, version, probe)
+        return self._publish_rank(named, version)
+
+    def _plan(self, named: list[tuple[str, Any]], dtype: str) -> tuple[RankPlan, dict[str, tuple[LocalShard, Any]]]:
+        """This rank's blocks (in the travel dtype: floating tensors are cast to ``dtype``) and plan."""
+        held: dict[str, tuple[LocalShard, Any]] = {}
+        for name, tensor in named:
+            if name in held:
+                raise ShardError(f"tensor {name} is published twice by rank {self.rank}", name, (self.rank,))
+            shard = local_shard(name, tensor, self.rank)
+            if tensor.is_floating_point():
+                shard = dataclasses.replace(shard, dtype=dtype)
+            held[name] = (shard, tensor)
+        return local_plan(self.rank, [s for s, _ in held.values()]), held
+
+    def _write(self, index: int, buffer: Any, specs: dict[str, wire.TensorSpec], mine: list[RangeSpec],
+               held: dict[str, tuple[LocalShard, Any]], algorithm: str) -> list[int]:
+        """Write this rank's ranges of bucket ``index`` (``mine``, manifest order) into ``buffer`` (the bucket's
+        bytes) and return their checksums over the bytes as sent (a strided range: its runs in order)."""
+        import torch
+
+        fn = None if algorithm == "none" else checksums.function(algorithm)
+        sums: list[int] = []
+        names = list(dict.fromkeys(r.name for r in mine))
+        for name in names:
+            shard, tensor = held[name]
+            local = tensor.to_local() if is_dtensor(tensor) else tensor
+            local = local.detach()
+            target = getattr(torch, shard.dtype)
+            if local.dtype != target:
+                local = local.to(target)  # one local shard of one tensor at a time
+            if local.device.type != "cpu":
+                local = local.cpu()
+            views = {(r.offset, r.nbytes): view for r, view in range_views(shard, local)}
+            base = specs[name].offset
+            for r in (r for r in mine if r.name == name):
+                view = views.get((r.offset, r.nbytes))
+                if view is None:
+                    raise ShardError(f"tensor {name}: rank {self.rank} holds no {r.describe()}", name, (self.rank,))
+                if r.run:
+                    dst = torch.as_strided(buffer, (r.count, r.run), (r.stride, 1), base + r.offset)
+                    dst.copy_(view.view(r.count, r.run))
+                else:
+                    buffer[base + r.offset : base + r.offset + r.nbytes].copy_(view)
+                sums.append(0 if fn is None else int(fn(memoryview(view.numpy()))))
+        return sums
+
+    # ---- rank 0 ----------------------------------------------------------------------------------
+    def _publish_root(self, named: list[tuple[str, Any]], version: int, probe: wire.ProbeSpec | None) -> PublishReport:
+        control = self._control
+        assert control is not None, "the publisher is closed"
+        t_start = time.perf_counter()
+        control._current = version
+        try:
+            dtype = control._agreed_dtype()
+            self._broadcast({"t": "start", "v": version, "dtype": dtype})
+            plan, held = self._plan(named, dtype)
+            others = self._collect("plan", version, None) if self.world > 1 else {}
+            plans = [plan, *(RankPlan.from_wire(msg["plan"]) for msg in others.values())]
+            shards = agree(plans, self.world)
+        except BaseException as exc:
+            self._broadcast(_failure(version, exc))
+            raise
+        specs, sizes = layout(shards, self.config.transport.bucket_bytes)
+        manifest = wire.Manifest(version=version, tensors=specs, bucket_sizes=sizes, publisher=control.name,
+                                 transport="shm", probe=probe, checksum=control._checksum(), shards=shards)
+        plane = control._plane()
+        buffers = [plane.allocate(i, size) for i, size in enumerate(sizes)]
+        sealed = [plane.seal(i, b) for i, b in enumerate(buffers)]
+        self._broadcast({"t": "go", "v": version, "manifest": manifest.to_wire(), "segments": [s.segment for s in sealed]})
+        per_bucket = bucket_ranges(shards, specs, len(sizes))
+        by_name = {s.name: s for s in specs}
+
+        def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
+            mine = [r for r in per_bucket[index] if r.rank == 0]
+            try:
+                own = self._write(index, buffers[index], by_name, mine, held, manifest.checksum)
+            except BridgeError as exc:
+                raise RankFailed(f"trainer rank 0 could not write bucket {index} of version {version}: {describe(exc)}", 0) from exc
+            reports = self._collect("bucket", version, index) if self.world > 1 else {}
+            queues = {0: iter(own), **{r: iter(m["sums"]) for r, m in reports.items()}}
+            try:
+                sums = tuple(int(next(queues[r.rank])) for r in per_bucket[index])
+            except StopIteration as exc:
+                counts = {r: len(m["sums"]) for r, m in reports.items()}
+                raise RankFailed(f"bucket {index} of version {version}: a rank reported too few checksums ({counts})",
+                                 min(counts, default=0)) from exc
+            return sealed[index], sums
+
+        try:
+            report = control._stream(manifest, plane, produce, t_start)
+        except BaseException as exc:
+            self._broadcast(_failure(version, exc))
+            raise
+        self._broadcast({"t": "done", "v": version, "ok": True, "report": _report_to_wire(report)})
+        return report
+
+    def _broadcast(self, msg: dict[str, Any]) -> None:
+        for rank in range(1, self.world):
+            self._channel.send(msg, to=rank)
+
+    def _collect(self, what: str, version: int, index: int | None) -> dict[int, dict[str, Any]]:
+        """Every other rank's ``what`` message of ``version`` (for bucket ``index``); RankFailed naming the
+        first rank that failed, died or sent nothing within ``deadlines.bucket_s``."""
+        deadline_s = self.config.deadlines.bucket_s if what == "bucket" else self.config.deadlines.manifest_s
+        end = time.monotonic() + deadline_s
+        where = f"bucket {index} of version {version}" if what == "bucket" else f"its plan of version {version}"
+        inbox = self._inbox
+        if inbox.get("v") != version:  # messages of an earlier version are dropped
+            inbox.clear()
+            inbox["v"] = version
+        got: dict[int, dict[str, Any]] = {}
+        while len(got) < self.world - 1:
+            for rank in range(1, self.world):
+                if rank not in got and (rank, what, index) in inbox:
+                    got[rank] = inbox.pop((rank, what, index))
+            if len(got) == self.world - 1:
+                break
+            received = self._channel.recv(POLL_S)
+            if received is not None:
+                rank, msg = received
+                if msg.get("v") != version:
+                    continue
+                if msg.get("t") == "error":
+                    raise RankFailed(f"trainer rank {rank} failed before sending {where}: {msg.get('reason')}", rank)
+                inbox[(rank, msg.get("t"), msg.get("b"))] = msg  # a rank may run ahead: later buckets wait here
+                continue
+            dead = [r for r in range(1, self.world) if r not in got and not _pid_alive(self._pids[r])]
+            if dead and self._channel.sock.poll(0):
+                continue  # what a rank sent before it died is read first
+            for rank in dead:
+                if (rank, what, index) not in inbox:
+                    raise RankFailed(f"trainer rank {rank} (pid {self._pids[rank]}) died before sending {where}", rank)
+            if time.monotonic() > end:
+                late = [r for r in range(1, self.world) if r not in got]
+                raise RankFailed(f"trainer rank {late[0]} sent nothing of {where} within {deadline_s}s"
+                                 + (f" (nor did ranks {late[1:]})" if len(late) > 1 else ""), late[0])
+        return got
+
+    # ---- the other ranks -------------------------------------------------------------------------
+    def _await(self, kinds: set[str], version: int, deadline_s: float, what: str) -> dict[str, Any]:
+        """Rank 0's next message of one of ``kinds`` for ``version``; its failure raised as the error it
+        reports; TransportError when rank 0 died or said nothing within ``deadline_s``."""
+        end = time.monotonic() + deadline_s
+        while True:
+            received = self._channel.recv(POLL_S * 5)
+            if received is not None:
+                _, msg = received
+                if msg.get("t") == "failed" and msg.get("v") == version:
+                    raise _failure_from_wire(msg)
+                if msg.get("t") in kinds and (msg.get("t") == "welcome" or msg.get("v") == version):
+                    return msg
+                continue
+            if self._root_pid and not _pid_alive(self._root_pid):
+                raise TransportError(f"trainer rank 0 (pid {self._root_pid}) died while rank {self.rank} waited for {what}")
+            if time.monotonic() > end:
+                raise TransportError(f"rank {self.rank}: no word from rank 0 within {deadline_s}s while waiting for {what}")
+
+    def _publish_rank(self, named: list[tuple[str, Any]], version: int) -> PublishReport:
+        from bridge.shm import Segment
+
+        d = self.config.deadlines
+        start = self._await({"start"}, version, d.connect_s + d.manifest_s, f"the start of version {version}")
+        try:
+            plan, held = self._plan(named, start["dtype"])
+        except BaseException as exc:
+            self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
+            self._await({"done"}, version, d.manifest_s, f"the outcome of version {version}")
+            raise
+        self._channel.send({"t": "plan", "v": version, "plan": plan.to_wire()})
+        go = self._await({"go"}, version, d.manifest_s + d.bucket_s, f"the agreed manifest of version {version}")
+        manifest = wire.Manifest.from_wire(go["manifest"])
+        assert manifest.shards is not None
+        per_bucket = bucket_ranges(manifest.shards, manifest.tensors, len(manifest.bucket_sizes))
+        by_name = {s.name: s for s in manifest.tensors}
+        segments: list[Segment] = []
+        try:
+            for index, (name, size) in enumerate(zip(go["segments"], manifest.bucket_sizes, strict=True)):
+                mine = [r for r in per_bucket[index] if r.rank == self.rank]
+                sums: list[int] = []
+                if mine:
+                    import torch
+
+                    seg = Segment.attach(name, size)
+                    segments.append(seg)
+                    buffer = torch.frombuffer(seg.mm, dtype=torch.uint8, count=size)
+                    sums = self._write(index, buffer, by_name, mine, held, manifest.checksum)
+                    del buffer
+                self._channel.send({"t": "bucket", "v": version, "b": index, "sums": sums})
+        except BaseException as exc:
+            self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
+            raise
+        finally:
+            for seg in segments:
+                seg.close()
+        done = self._await({"done"}, version, d.ack_s + d.bucket_s, f"the outcome of version {version}")
+        return _report_from_wire(done["report"])
+
+
+def _failure(version: int, exc: BaseException) -> dict[str, Any]:
+    """Rank 0's failure as the other ranks raise it."""
+    msg: dict[str, Any] = {"t": "failed", "v": version, "error": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, UpdateFailed):
+        msg.update(reasons=exc.reasons, kinds={k: v.value for k, v in exc.kinds.items()})
+    elif isinstance(exc, ShardError):
+        msg.update(tensor=exc.tensor, ranks=list(exc.ranks))
+    elif isinstance(exc, RankFailed):
+        msg.update(rank=exc.rank)
+    return msg
+
+
+def _failure_from_wire(msg: dict[str, Any]) -> BridgeError:
+    error, message = msg.get("error"), str(msg.get("message", ""))
+    if error == "UpdateFailed":
+        kinds = {k: parse_kind(v) for k, v in dict(msg.get("kinds", {})).items()}
+        return UpdateFailed(message, dict(msg.get("reasons", {})), {k: v for k, v in kinds.items() if v is not None})
+    if error == "ShardError":
+        return ShardError(message, str(msg.get("tensor", "")), msg.get("ranks", ()))
+    if error == "RankFailed":
+        return RankFailed(message, int(msg.get("rank", 0)))
+    return TransportError(f"rank 0 failed: {error}: {message}")
+
+
+def _report_to_wire(report: PublishReport) -> dict[str, Any]:
+    out = dataclasses.asdict(report)
+    for engine in out["engines"]:
+        engine["kind"] = engine["kind"].value if engine["kind"] is not None else ""
+    return out
+
+
+def _report_from_wire(raw: dict[str, Any]) -> PublishReport:
+    engines = tuple(EngineReport(**{**e, "kind": parse_kind(e["kind"])}) for e in raw["engines"])
+    return PublishReport(version=raw["version"], bytes=raw["bytes"], seconds=dict(raw["seconds"]), engines=engines,
+                         held_bytes=raw.get("held_bytes", 0))
+
