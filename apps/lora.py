@@ -7,7 +7,7 @@ does (Kaiming-uniform) and ``B`` ``[out, r]`` at zero: the wrapped model starts 
 ``adapter_tensors(model)`` are the adapter's tensors named as PEFT saves them
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), ``adapter_spec(model, name)`` the
 matching ``AdapterSpec`` (its PEFT config), ``merged_tensors(model)`` the full weights with the adapter merged
-in (``W + (alpha / r) * B A``), as a trainer without adapter sync would publish them.
+in (``W + (alpha / r) * B A``, as PEFT merges), as a trainer without adapter sync would publish them.
 """
 
 from __future__ import annotations
@@ -113,16 +113,17 @@ def adapter_spec(model: Any, name: str) -> wire.AdapterSpec:
 
 
 def merged_tensors(model: Any) -> list[tuple[str, Any]]:
-    """Every base weight under its checkpoint name, the targets with the adapter merged in
-    (``W + scaling * B @ A``, computed in float32, in the base weight's dtype): a full update."""
+    """Every base weight under its checkpoint name, the targets with the adapter merged in: a full update.
+    As PEFT merges on CPU: ``scaling * B @ A`` in float32, cast to the base weight's dtype and added there
+    (into new tensors: the base stays as it is, so the trainer keeps training the adapter)."""
     import torch
 
     merged = {}
     with torch.no_grad():
         for path, module in _wrapped(model):
             w = module.base_layer.weight
-            delta = module.lora_B.weight.float() @ module.lora_A.weight.float()
-            merged[f"{path}.weight"] = (w.float() + module.scaling * delta).to(w.dtype)
+            delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * module.scaling
+            merged[f"{path}.weight"] = w + delta.to(w.dtype)
     out = []
     for name, param in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
