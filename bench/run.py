@@ -74,6 +74,7 @@ class Plan:
     serve_port: int = 0  # vllm serve's HTTP port, its receivers on the ports after it; 0: free ports
     lora: bool = True
     lora_rank: int = 8
+    lora_only: bool = False  # the LoRA rows alone (no baselines, transports, receivers or vllm serve rows)
 
 
 # the adapter rows: over these transports (cross-host and same-host), staged; vLLM's LoRA settings of the engine
@@ -101,9 +102,12 @@ def parse(argv: list[str] | None) -> Plan:
                    help="vllm serve's HTTP port; its receivers take the ports after it (default: free ports)")
     p.add_argument("--no-lora", action="store_true",
                    help="skip the LoRA adapter rows (adapter sync against full sync and merge-then-sync)")
+    p.add_argument("--lora-only", action="store_true", help="only the LoRA rows (each model: its LoRA engine alone)")
     p.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter in the LoRA rows (at most 8: the engine's max_lora_rank)")
     p.add_argument("--out", default=str(RESULTS / "latest.json"))
     a = p.parse_args(argv)
+    if a.lora_only and a.no_lora:
+        p.error("--lora-only and --no-lora exclude each other")
     if not 1 <= a.lora_rank <= LORA_ENGINE["max_lora_rank"]:
         p.error(f"--lora-rank must be from 1 to {LORA_ENGINE['max_lora_rank']} (the LoRA engine's max_lora_rank)")
     models = ("50m",) if a.quick else tuple(a.models.split(","))
@@ -111,7 +115,8 @@ def parse(argv: list[str] | None) -> Plan:
     receivers = (1, 2) if a.quick and a.receivers == "1,2,4" else tuple(int(x) for x in a.receivers.split(","))
     sweep = tuple(float(x) for x in a.sweep_mb.split(",") if x)
     return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out), sweep,
-                vllm_serve=not a.no_vllm_serve, serve_port=a.serve_port, lora=not a.no_lora, lora_rank=a.lora_rank)
+                vllm_serve=not a.no_vllm_serve, serve_port=a.serve_port, lora=not a.no_lora, lora_rank=a.lora_rank,
+                lora_only=a.lora_only)
 
 
 # ---- the trainer process ------------------------------------------------------------------------
@@ -545,6 +550,12 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
     t0 = time.perf_counter()
     ckpt = make_checkpoint(kind, workdir / f"{kind}-ckpt", CHECKPOINT_SEED)
     trainer = Trainer(kind, seed=7)
+    if plan.lora_only:
+        try:
+            return lora_rows(trainer, ckpt, kind, plan, Versions())
+        finally:
+            trainer.close()
+            logger.info("%s done in %.0fs", kind, time.perf_counter() - t0)
     engines = Engines(ckpt, 1)
     rows: list[dict[str, Any]] = []
     skipped: list[int] = []
@@ -631,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     served = [serve_ratios(r) for r in rows if r.get("vllm_serve") and "skipped" not in r]
     lora = [lora_ratios(r) for r in rows if r.get("lora") and "skipped" not in r]
     rows = [add_ratios(r) for r in rows if "skipped" not in r and not r.get("vllm_serve") and not r.get("lora")]
-    print(table(rows))
+    if rows:
+        print(table(rows))
     if served:
         print(serve_table(served))
     if lora:
