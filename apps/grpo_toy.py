@@ -21,14 +21,15 @@ on the rollouts themselves (engine's sampling logprobs vs the trainer's float32 
 
 or as a Ray job on a cluster: ``python -m apps.ray_job --loop grpo`` (see apps/ray_job.py).
 
-With ``--lora R`` the trainer trains a rank-R LoRA adapter (``apps/lora.py``, PEFT's layout, alpha 2R, on every
-linear layer of the decoder blocks: q/k/v/o and gate/up/down) on top of the frozen base; the engines start with LoRA enabled, every step publishes only the
-adapter (``publish(..., adapter=)``: the adapter's own versions, the base stays at version 0) and rollouts
-generate with ``adapter=``. An adapter sync carries no engine-side probe (the probe scores the base weights);
-instead, after each sync every engine generates greedily from the step's prompts with the new adapter
-version and the trainer scores those tokens in float32: that mean absolute log-prob difference is the
-sync's ``probe_mean_abs_logprob_diff`` (``probe_by: "trainer"``), flagged beyond
-``probe.max_mean_abs_logprob_diff``, and every output must name the version just published.
+With ``--lora R`` the trainer trains a rank-R LoRA adapter (``apps/lora.py``, PEFT's layout, alpha 2R, on
+every linear layer of the decoder blocks: q/k/v/o and gate/up/down) on top of the frozen base; the engines
+start with LoRA enabled, every step publishes only the adapter (``publish(..., adapter=)``: the adapter's own
+versions, the base stays at version 0) and rollouts generate with ``adapter=``. An adapter sync carries no
+engine-side probe (the probe scores the base weights); instead, after each sync every engine generates
+greedily from the step's prompts with the new adapter version and the trainer scores those tokens in
+float32: that mean absolute log-prob difference is the sync's ``probe_mean_abs_logprob_diff``
+(``probe_by: "trainer"``), flagged beyond ``probe.max_mean_abs_logprob_diff``, and every output must name
+the version just published.
 """
 
 from __future__ import annotations

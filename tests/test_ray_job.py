@@ -261,7 +261,7 @@ def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
 
 # ---- --lora: the same GRPO job training a LoRA adapter, syncing only the adapter ------------------
 
-LORA_STEPS = 24
+LORA_STEPS = 32
 LORA_RANK = 8
 LORA_ACTOR = "engine-rayjob-lora"
 
@@ -330,6 +330,8 @@ def test_lora_job_syncs_only_the_adapter_and_every_sync_is_verified(lora_job: An
 def test_lora_job_reward_rises(lora_job: Any) -> None:
     rewards = [s["reward"] for s in lora_job["steps"]]
     assert len(rewards) == LORA_STEPS, lora_job["logs"][-4000:]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    # Chance level is 64/512 = 0.125; with a rank-8 adapter (lr 1e-2) runs reach ~0.5 by step 24, after a slow start.
-    assert last > first + 0.1, f"reward did not rise: first steps {rewards[:4]}, last steps {rewards[-4:]}"
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    # Chance level is 64/512 = 0.125. A rank-8 adapter without lm_head first learns to tilt every output
+    # towards the targets (0.22-0.29 by steps 24-32, a rise of 0.09-0.13 over the first 8 steps), and in some
+    # runs then concentrates on a few of them (0.5-0.65). An adapter that never reaches the engine: +0.03.
+    assert last > first + 0.06, f"reward did not rise: first steps {rewards[:8]}, last steps {rewards[-8:]}"
