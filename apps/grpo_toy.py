@@ -20,6 +20,16 @@ on the rollouts themselves (engine's sampling logprobs vs the trainer's float32 
     python examples/grpo_toy.py --steps 30
 
 or as a Ray job on a cluster: ``python -m apps.ray_job --loop grpo`` (see apps/ray_job.py).
+
+With ``--lora R`` the trainer trains a rank-R LoRA adapter (``apps/lora.py``, PEFT's layout, alpha 2R, on
+every linear layer of the decoder blocks: q/k/v/o and gate/up/down) on top of the frozen base; the engines
+start with LoRA enabled, every step publishes only the adapter (``publish(..., adapter=)``: the adapter's own
+versions, the base stays at version 0) and rollouts generate with ``adapter=``. An adapter sync carries no
+engine-side probe (the probe scores the base weights); instead, after each sync every engine generates
+greedily from the step's prompts with the new adapter version and the trainer scores those tokens in
+float32: that mean absolute log-prob difference is the sync's ``probe_mean_abs_logprob_diff``
+(``probe_by: "trainer"``), flagged beyond ``probe.max_mean_abs_logprob_diff``, and every output must name
+the version just published.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from bridge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +62,8 @@ class GRPOConfig:
     lr: float = 3e-3
     target_tokens: int = 64     # reward counts completion tokens with id < target_tokens
     seed: int = 0
+    lora: int = 0               # LoRA rank: train and sync only an adapter of this rank (0: every weight)
+    lora_lr: float = 1e-2       # Adam learning rate of the adapter (with --lora)
 
 
 HELP = {
@@ -58,7 +72,24 @@ HELP = {
     "prompt_len": "tokens per prompt", "max_tokens": "tokens per completion", "temperature": "sampling temperature",
     "lr": "Adam learning rate", "target_tokens": "reward counts completion tokens with id below this",
     "seed": "seed of the policy, prompts and torch",
+    "lora": "train a LoRA adapter of this rank on every linear layer of the decoder blocks and sync only the adapter; "
+            "0 trains every weight",
+    "lora_lr": "Adam learning rate of the LoRA adapter (with --lora)",
 }
+
+ADAPTER = "grpo"  # the adapter's name on the engines (with --lora)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM takes as max_lora_rank
+
+
+def engine_options(cfg: GRPOConfig) -> dict[str, Any]:
+    """``vllm.LLM`` options the engines need for ``cfg``: with ``--lora R``, LoRA enabled with room for rank R
+    (vLLM's smallest allowed ``max_lora_rank`` >= R) and two adapters (the served version and the next)."""
+    if not cfg.lora:
+        return {}
+    fits = [r for r in LORA_RANKS if r >= cfg.lora]
+    if not fits:
+        raise ConfigError(f"--lora {cfg.lora} is larger than vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 2}
 
 
 def reward(tokens: list[int], target_tokens: int) -> float:
@@ -124,36 +155,105 @@ def sample(actors: list[Any], batch: list[list[int]], **kwargs: Any) -> list[dic
 
 
 def make_policy(cfg: GRPOConfig) -> Any:
-    """A tiny random Qwen2-style policy in float32 (the trainer's precision)."""
+    """A tiny random Qwen2-style policy in float32 (the trainer's precision): the base weights (``train`` adds
+    the LoRA with ``--lora``, after the caller saved the base as the engines' checkpoint)."""
     from devtools.tiny_models import build_model
 
     return build_model(cfg.kind, cfg.seed).float()
 
 
-def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
-          config: Any = None) -> Iterator[dict[str, Any]]:
-    """Run ``cfg.steps`` GRPO steps with rollouts from ``actors`` (one engine each, served at ``endpoints``);
-    yield one log dict per step (after its weights were published to every engine)."""
+def _probe_bound(config: Any) -> float:
+    from bridge.config import BridgeConfig, config_from_dict, load_config
+
+    resolved = config if isinstance(config, BridgeConfig) else (
+        config_from_dict(config) if isinstance(config, dict) else load_config(config))
+    return float(resolved.probe.max_mean_abs_logprob_diff)
+
+
+def adapter_parity(actors: list[Any], policy: Any, prompts: list[list[int]], max_tokens: int,
+                   version: int) -> list[dict[str, Any]]:
+    """After an adapter sync: every engine generates greedily from ``prompts`` with adapter ``ADAPTER``; the
+    trainer scores those tokens in float32. Per engine: the mean absolute difference of the log-probs and the
+    adapter versions its outputs name (each must be ``version``)."""
     import ray
     import torch
 
+    answers = ray.get([actor.generate.remote(prompts, max_tokens=max_tokens, logprobs=0, adapter=ADAPTER) for actor in actors])
+    out = []
+    was_training = policy.training
+    policy.eval()
+    try:
+        for outs in answers:
+            completions = [o["token_ids"] for o in outs]
+            with torch.no_grad():
+                logp, mask = completion_logprobs(policy, prompts, completions)
+            engine_lp = torch.tensor([o["logprobs"] + [0.0] * (mask.shape[1] - len(o["logprobs"])) for o in outs])
+            diff = float(((logp - engine_lp).abs() * mask).sum() / mask.sum().clamp(min=1.0))
+            out.append({"diff": diff, "adapter_versions": sorted({o["adapter_version"] for o in outs}, key=str),
+                        "ok": all(o["adapter_version"] == version for o in outs)})
+    finally:
+        if was_training:
+            policy.train()
+    return out
+
+
+def with_adapter_parity(sync: dict[str, Any], parity: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """``sync`` (``apps.ray_job.sync_summary`` of an adapter publish) with the trainer's parity check of each
+    engine as its probe: ``probe_mean_abs_logprob_diff`` per engine and the largest at the top, flagged beyond
+    ``bound`` or when an engine's outputs did not come from the version just published."""
+    engines = []
+    for eng, check in zip(sync["engines"], parity, strict=True):
+        flagged = check["diff"] > bound or not check["ok"]
+        engines.append({**eng, "probe_mean_abs_logprob_diff": round(check["diff"], 6), "probe_flagged": flagged,
+                        "adapter_versions_served": check["adapter_versions"]})
+    diffs = [e["probe_mean_abs_logprob_diff"] for e in engines]
+    return {**sync, "adapter": ADAPTER, "probe_by": "trainer", "engines": engines,
+            "probe_mean_abs_logprob_diff": max(diffs) if diffs else None,
+            "probe_flagged": any(e["probe_flagged"] for e in engines)}
+
+
+def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
+          config: Any = None) -> Iterator[dict[str, Any]]:
+    """Run ``cfg.steps`` GRPO steps with rollouts from ``actors`` (one engine each, served at ``endpoints``);
+    yield one log dict per step (after its weights were published to every engine). With ``cfg.lora`` the
+    policy (the base the engines serve) gets a LoRA adapter first, and each step publishes only the adapter
+    (its versions ``1, 2, ...`` after the one the engines serve); the engines need ``engine_options(cfg)``."""
+    import ray
+    import torch
+
+    from apps.lora import LoRASettings, adapter_spec, adapter_tensors, add_lora
     from apps.ray_job import sync_summary
     from trainer_side import WeightPublisher
     from trainer_side.probe import build_probe
 
     torch.manual_seed(cfg.seed)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    spec, bound = None, 0.0
+    if cfg.lora:
+        if not hasattr(policy, "lora_settings"):
+            add_lora(policy, LoRASettings(cfg.lora, 2.0 * cfg.lora), seed=cfg.seed)
+        spec = adapter_spec(policy, ADAPTER)
+        bound = _probe_bound(config)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=cfg.lora_lr if cfg.lora else cfg.lr)
     vocab = int(policy.config.vocab_size)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     prompts = torch.randint(cfg.target_tokens, vocab, (cfg.prompts, cfg.prompt_len), generator=gen).tolist()
-    version = max(int(v) for v in ray.get([actor.version.remote() for actor in actors]))
+    if cfg.lora:
+        version = max(int(ray.get(actor.adapter_version.remote(ADAPTER)) or 0) for actor in actors)
+    else:
+        version = max(int(v) for v in ray.get([actor.version.remote() for actor in actors]))
     with WeightPublisher(endpoints, config=config) as publisher:
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             batch = [p for p in prompts for _ in range(cfg.group)]
-            rollouts = sample(actors, batch, max_tokens=cfg.max_tokens, logprobs=0, temperature=cfg.temperature)
+            # with --lora: the adapter's newest version once one was published (before that the base, which a
+            # fresh adapter, B = 0, leaves unchanged)
+            lora = {"adapter": ADAPTER} if cfg.lora and version > 0 else {}
+            rollouts = sample(actors, batch, max_tokens=cfg.max_tokens, logprobs=0, temperature=cfg.temperature, **lora)
             completions = [r["token_ids"] for r in rollouts]
-            sampled_from = sorted({int(r["version"]) for r in rollouts})  # on-policy: the version just published
+            # on-policy: the version just published (with --lora the adapter's; 0: none yet)
+            sampled_from = sorted({int((r["adapter_version"] or 0) if cfg.lora else r["version"]) for r in rollouts})
+            base_versions = sorted({int(r["version"]) for r in rollouts})
             rewards = [reward(c, cfg.target_tokens) for c in completions]
             advantages = torch.tensor(group_advantages(rewards, cfg.group))
             t_rollout = time.perf_counter() - t0
@@ -170,11 +270,17 @@ def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
             t_train = time.perf_counter() - t0 - t_rollout
 
             version += 1
-            report = publisher.publish(policy.named_parameters(), version=version, probe=build_probe(policy))
-            sync = sync_summary(report)
+            if spec is not None:
+                report = publisher.publish(adapter_tensors(policy), version=version, adapter=spec)
+                sync = with_adapter_parity(sync_summary(report), adapter_parity(actors, policy, prompts, cfg.max_tokens, version),
+                                           bound)
+            else:
+                report = publisher.publish(policy.named_parameters(), version=version, probe=build_probe(policy))
+                sync = sync_summary(report)
             yield {
                 "step": step, "reward": round(sum(rewards) / len(rewards), 4), "loss": round(float(loss), 5),
-                "version": version, "rollouts_from": sampled_from, "sync": sync, "rollout_mean_abs_logprob_diff": round(rollout_mismatch, 5),
+                "version": version, "rollouts_from": sampled_from, "base_versions": base_versions, "sync": sync,
+                "rollout_mean_abs_logprob_diff": round(rollout_mismatch, 5),
                 "seconds": {"rollout": round(t_rollout, 3), "train": round(t_train, 3),
                             "sync": round(report.seconds.get("total", 0.0), 3),
                             "step": round(time.perf_counter() - t0, 3)},
@@ -191,6 +297,8 @@ def parse(argv: list[str] | None = None) -> tuple[GRPOConfig, argparse.Namespace
     p.add_argument("--namespace", default="weight-bridge", help="Ray namespace of the actor")
     p.add_argument("--config", help="weight-bridge config YAML (default: configs/default.yaml)")
     a = p.parse_args(argv)
+    if not 0 <= a.lora <= LORA_RANKS[-1]:
+        p.error(f"--lora must be 0 (every weight) or a rank from 1 to {LORA_RANKS[-1]}")
     cfg = GRPOConfig(**{f: getattr(a, f) for f in asdict(defaults)})
     return cfg, a
 
@@ -208,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     policy = make_policy(cfg)
     with tempfile.TemporaryDirectory(prefix="grpo-toy-") as tmp:
         checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
-        actor, endpoint = start_engine(checkpoint, args.actor_name, args.namespace, config=args.config)
+        actor, endpoint = start_engine(checkpoint, args.actor_name, args.namespace, config=args.config,
+                                       engine_options=engine_options(cfg))
         logs = []
         try:
             for line in train(cfg, policy, [actor], [endpoint], config=args.config):

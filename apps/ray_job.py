@@ -17,6 +17,9 @@ engine maps them), generating between syncs:
 * ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``); every
   engine generates greedily from the same prompts.
 
+``--lora R`` (GRPO only): the engines start with LoRA enabled, the trainer trains a rank-R LoRA adapter on
+the frozen base and each step publishes only the adapter (see apps/grpo_toy.py); the base stays at version 0.
+
 Each step prints one JSON line with its sync record; the last line is ``{"summary": ...}``. The exit
 status is 0 only if every sync passed on every engine: applied, audited (no stale tensor, no identity
 violation) and its parity probe within bound.
@@ -62,6 +65,7 @@ class JobArgs:
     start_timeout_s: float
     linger_s: float = 0.0
     engines: int = 1
+    lora: int = 0
 
 
 def engine_names(name: str, count: int) -> list[str]:
@@ -70,17 +74,19 @@ def engine_names(name: str, count: int) -> list[str]:
 
 
 def start_engine(checkpoint: str | Path, name: str, namespace: str, tp: int = 1, dtype: str = "bfloat16",
-                 config: Any = None, timeout_s: float = 900.0) -> tuple[Any, str]:
+                 config: Any = None, timeout_s: float = 900.0, engine_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """A named ``InferenceActor`` serving ``checkpoint``, pinned to this node (the checkpoint is a local
     directory and the receiver binds loopback by default); returns the handle and its endpoint."""
-    (actor,), (endpoint,) = start_engines(checkpoint, [name], namespace, tp, dtype, config, timeout_s)
+    (actor,), (endpoint,) = start_engines(checkpoint, [name], namespace, tp, dtype, config, timeout_s, engine_options)
     return actor, endpoint
 
 
 def start_engines(checkpoint: str | Path, names: list[str], namespace: str, tp: int = 1, dtype: str = "bfloat16",
-                  config: Any = None, timeout_s: float = 900.0) -> tuple[list[Any], list[str]]:
-    """One named ``InferenceActor`` per name, all started at once on this node; returns the handles and
-    their endpoints in the order of ``names``. If any fails to start, every one is killed."""
+                  config: Any = None, timeout_s: float = 900.0,
+                  engine_options: dict[str, Any] | None = None) -> tuple[list[Any], list[str]]:
+    """One named ``InferenceActor`` per name, all started at once on this node (``engine_options`` go to
+    ``vllm.LLM``, e.g. LoRA's); returns the handles and their endpoints in the order of ``names``. If any fails
+    to start, every one is killed."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -90,7 +96,8 @@ def start_engines(checkpoint: str | Path, names: list[str], namespace: str, tp: 
     actors = [InferenceActor.options(  # type: ignore[attr-defined]
         name=name, namespace=namespace,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-    ).remote(model=str(checkpoint), tensor_parallel_size=tp, dtype=dtype, config=config, name=name) for name in names]
+    ).remote(model=str(checkpoint), tensor_parallel_size=tp, dtype=dtype, config=config, name=name, **(engine_options or {}))
+        for name in names]
     endpoints: list[str] = []
     deadline = time.monotonic() + timeout_s
     for name, actor in zip(names, actors, strict=True):
@@ -183,10 +190,15 @@ def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Ite
 
 
 def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: Any) -> Iterator[dict[str, Any]]:
-    from apps.grpo_toy import GRPOConfig, train
+    from apps.grpo_toy import train
 
-    cfg = GRPOConfig(kind=args.kind, steps=args.steps, seed=args.seed)
-    return train(cfg, policy, actors, endpoints, config=args.config)
+    return train(grpo_config(args), policy, actors, endpoints, config=args.config)
+
+
+def grpo_config(args: JobArgs) -> Any:
+    from apps.grpo_toy import GRPOConfig
+
+    return GRPOConfig(kind=args.kind, steps=args.steps, seed=args.seed, lora=args.lora)
 
 
 def run(args: JobArgs) -> int:
@@ -194,10 +206,12 @@ def run(args: JobArgs) -> int:
 
     from devtools.tiny_models import build_model, save_checkpoint
 
+    options: dict[str, Any] = {}
     if args.loop == "grpo":
-        from apps.grpo_toy import GRPOConfig, make_policy
+        from apps.grpo_toy import engine_options, make_policy
 
-        policy = make_policy(GRPOConfig(kind=args.kind, seed=args.seed))
+        policy = make_policy(grpo_config(args))  # the base; with --lora the adapter is added after the checkpoint
+        options = engine_options(grpo_config(args))
     else:
         policy = build_model(args.kind, args.seed)
     ray.init(namespace=args.namespace, log_to_driver=False)  # inside a Ray job: joins the job's cluster
@@ -206,7 +220,7 @@ def run(args: JobArgs) -> int:
         checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
         names = engine_names(args.actor_name, args.engines)
         actors, endpoints = start_engines(checkpoint, names, args.namespace, args.tp, args.dtype, args.config,
-                                          args.start_timeout_s)
+                                          args.start_timeout_s, options)
         try:
             steps = (grpo_loop(args, actors, endpoints, policy) if args.loop == "grpo"
                      else versions_loop(args, actors, endpoints))
@@ -220,7 +234,7 @@ def run(args: JobArgs) -> int:
             stop_engines(actors)
     failed = [x["version"] for x in lines if not sync_passed(x["sync"])]
     summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "engines": names, "syncs": len(lines),
-                               "syncs_passed": len(lines) - len(failed), "failed_versions": failed}
+                               "syncs_passed": len(lines) - len(failed), "failed_versions": failed, "lora": args.lora}
     if args.loop == "grpo" and lines:
         k = max(1, len(lines) // 4)
         summary["reward_first"] = round(sum(x["reward"] for x in lines[:k]) / k, 4)
@@ -246,6 +260,8 @@ def parse(argv: list[str] | None = None) -> JobArgs:
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the engine to start")
     p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
                    help="keep the engine up this long after the last step, for dashboards (default: 0)")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="GRPO: train a rank-R LoRA adapter and sync only the adapter (default: 0, every weight)")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be at least 1")
@@ -253,8 +269,10 @@ def parse(argv: list[str] | None = None) -> JobArgs:
         p.error("--engines must be at least 1")
     if a.loop == "grpo" and a.kind == "gpt_oss":
         p.error("--loop grpo trains a dense policy; use --kind tiny (or 50m, ...)")
+    if a.lora < 0 or (a.lora and a.loop != "grpo"):
+        p.error("--lora R (R >= 1) trains an adapter in the GRPO loop only (--loop grpo)")
     return JobArgs(a.loop, a.kind, a.steps, a.seed, a.actor_name, a.namespace, a.tp, a.dtype, a.config, a.start_timeout,
-                   a.linger, a.engines)
+                   a.linger, a.engines, a.lora)
 
 
 def main(argv: list[str] | None = None) -> int:

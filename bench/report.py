@@ -177,3 +177,42 @@ def serve_verdict(rows: list[dict[str, Any]], goal: float = SERVE_GOAL) -> list[
         line += "; over: " + "; ".join(over)
     out.append(line)
     return out
+
+
+# ---- LoRA: an adapter's sync against a full sync and merge-then-sync ----------------------------------
+
+def lora_ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """Over the adapter sync (medians of the same rounds): ``full_over_adapter`` (a full sync of the same model),
+    ``merged_over_adapter`` (merging the adapter into the base in the trainer, then a full sync) and the bytes
+    each carried, ``full_bytes_over_adapter``."""
+    row["full_over_adapter"] = row["full"] / row["adapter"]
+    row["merged_over_adapter"] = row["merged"] / row["adapter"]
+    row["full_bytes_over_adapter"] = row["full_bytes"] / row["adapter_bytes"]
+    return row
+
+
+def lora_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'model':>6} {'transport':>9} {'rank':>4} {'adapterMB':>9} {'fullMB':>7} {'adapter s':>9} {'full s':>7} "
+            f"{'merged s':>8} {'merge s':>7} {'full/adapter':>12} {'merged/adapter':>14} {'bytes full/adapter':>18}")
+    lines = ["LoRA: adapter-only sync against a full sync and merge-then-full-sync, same engine, rounds alternating",
+             head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['model']:>6} {r['transport']:>9} {r['rank']:>4} {r['adapter_bytes'] / 1e6:>9.2f} {r['full_bytes'] / 1e6:>7.0f} "
+            f"{r['adapter']:>9.3f} {r['full']:>7.3f} {r['merged']:>8.3f} {r['merge']:>7.3f} {r['full_over_adapter']:>12.1f} "
+            f"{r['merged_over_adapter']:>14.1f} {r['full_bytes_over_adapter']:>18.0f}")
+    return "\n".join(lines)
+
+
+def lora_verdict(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        rounds = ""
+        if r.get("paired_full_over_adapter") and r.get("paired_merged_over_adapter"):
+            rounds = (f" (per round: full/adapter median {statistics.median(r['paired_full_over_adapter']):.1f}, "
+                      f"merged/adapter {statistics.median(r['paired_merged_over_adapter']):.1f})")
+        out.append(f"{r['model']}: LoRA r={r['rank']} over {r['transport']}: adapter sync {r['adapter']:.3f}s for "
+                   f"{r['adapter_bytes'] / 1e6:.2f} MB; a full sync takes {r['full_over_adapter']:.1f}x as long, "
+                   f"merge-then-sync {r['merged_over_adapter']:.1f}x (the merge alone {r['merge']:.3f}s), "
+                   f"carrying {r['full_bytes_over_adapter']:.0f}x the bytes{rounds}")
+    return out

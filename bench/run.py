@@ -7,8 +7,10 @@ in-process ``reload_weights`` from tensors already in the worker; one run after 
 is measured in the same minute as its syncs), ``limit`` (bytes / torch copy bandwidth measured now) and,
 on the smallest model, 1/2/4 receivers, and ``vllm_serve``: the same model behind ``vllm serve`` with the
 ``weight_bridge`` backend, driven by vLLM's ``HTTPVLLMWeightSyncClient`` + ``WeightBridgeTrainerEngine`` from the
-trainer process, its syncs alternating with the InferenceActor's over the same transport and mode. Medians;
-ratios are the verdict.
+trainer process, its syncs alternating with the InferenceActor's over the same transport and mode, and ``lora``:
+on an engine started with LoRA enabled, a LoRA adapter's sync (the adapter alone, ``publish(..., adapter=)``)
+against a full sync of the same model and against merge-then-full-sync (the adapter merged into the base
+weights in the trainer, then every weight sent), in alternating rounds. Medians; ratios are the verdict.
 Writes ``bench/results/latest.json``.
 """
 
@@ -29,7 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.memory import peak_growth, reset_peaks
-from bench.report import add_ratios, serve_ratios, serve_table, serve_verdict, table, verdict
+from bench.report import (
+    add_ratios,
+    lora_ratios,
+    lora_table,
+    lora_verdict,
+    serve_ratios,
+    serve_table,
+    serve_verdict,
+    table,
+    verdict,
+)
 from bridge import wire
 from bridge.report import ApplyResult, LoadResult
 from inference_side.contract import EngineGate, StagedBucket
@@ -60,7 +72,14 @@ class Plan:
     sweep_mb: tuple[float, ...] = ()
     vllm_serve: bool = True
     serve_port: int = 0  # vllm serve's HTTP port, its receivers on the ports after it; 0: free ports
+    lora: bool = True
+    lora_rank: int = 8
+    lora_only: bool = False  # the LoRA rows alone (no baselines, transports, receivers or vllm serve rows)
 
+
+# the adapter rows: over these transports (cross-host and same-host), staged; vLLM's LoRA settings of the engine
+LORA_TRANSPORTS = ("zmq", "shm")
+LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 # the transports the weight_bridge backend's worker-side receivers are reached over; not ipc: the trainer engine
 # addresses tcp://host:base_port+rank, and a worker's ipc:// endpoint (a private directory made when its receiver
@@ -81,14 +100,23 @@ def parse(argv: list[str] | None) -> Plan:
     p.add_argument("--no-vllm-serve", action="store_true", help="skip the rows for the weight_bridge backend behind vllm serve")
     p.add_argument("--serve-port", type=int, default=0,
                    help="vllm serve's HTTP port; its receivers take the ports after it (default: free ports)")
+    p.add_argument("--no-lora", action="store_true",
+                   help="skip the LoRA adapter rows (adapter sync against full sync and merge-then-sync)")
+    p.add_argument("--lora-only", action="store_true", help="only the LoRA rows (each model: its LoRA engine alone)")
+    p.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter in the LoRA rows (at most 8: the engine's max_lora_rank)")
     p.add_argument("--out", default=str(RESULTS / "latest.json"))
     a = p.parse_args(argv)
+    if a.lora_only and a.no_lora:
+        p.error("--lora-only and --no-lora exclude each other")
+    if not 1 <= a.lora_rank <= LORA_ENGINE["max_lora_rank"]:
+        p.error(f"--lora-rank must be from 1 to {LORA_ENGINE['max_lora_rank']} (the LoRA engine's max_lora_rank)")
     models = ("50m",) if a.quick else tuple(a.models.split(","))
     reps = 3 if a.quick else a.reps
     receivers = (1, 2) if a.quick and a.receivers == "1,2,4" else tuple(int(x) for x in a.receivers.split(","))
     sweep = tuple(float(x) for x in a.sweep_mb.split(",") if x)
     return Plan(models, tuple(a.transports.split(",")), tuple(a.modes.split(",")), reps, receivers, a.bucket_mb, Path(a.out), sweep,
-                vllm_serve=not a.no_vllm_serve, serve_port=a.serve_port)
+                vllm_serve=not a.no_vllm_serve, serve_port=a.serve_port, lora=not a.no_lora, lora_rank=a.lora_rank,
+                lora_only=a.lora_only)
 
 
 # ---- the trainer process ------------------------------------------------------------------------
@@ -326,6 +354,83 @@ def serve_rows(trainer: Trainer, engines: Engines, ckpt: Path, kind: str, rows: 
     return out
 
 
+def measure_lora(trainer: Trainer, endpoints: list[str], transport: str, plan: Plan, versions: Versions,
+                 adapter_versions: Versions) -> dict[str, Any]:
+    """An adapter sync, a full sync and a merge-then-full-sync to the same LoRA-enabled engine (staged), after a
+    warm-up of each: ``plan.reps`` rounds of one of each, the order rotating, so all three are measured in the
+    same minute. Each must come back verified."""
+    config = _config("staged", plan.bucket_mb)
+    hows = ("adapter", "full", "merged")
+
+    def sync(how: str) -> dict[str, Any]:
+        version = adapter_versions.next() if how == "adapter" else versions.next()
+        rep = trainer.ask(op="lora", how=how, endpoints=endpoints, transport=transport, version=version, config=config)
+        if not rep.get("ok") or not all(e["verified"] for e in rep["engines"]):
+            raise RuntimeError(f"lora rows: {how} sync over {transport} failed or unverified: {rep}")
+        return rep
+
+    for how in hows:
+        sync(how)
+    got: dict[str, list[dict[str, Any]]] = {how: [] for how in hows}
+    for i in range(plan.reps):
+        for how in hows[i % 3:] + hows[:i % 3]:
+            got[how].append(sync(how))
+    out: dict[str, Any] = {}
+    for how, reps in got.items():
+        totals = [r["seconds"]["total"] for r in reps]
+        out[how] = statistics.median(totals)
+        out[f"{how}_all"] = totals
+        out[f"{how}_bytes"] = reps[-1]["bytes"]
+        out[f"{how}_phases"] = {k: statistics.median([r["seconds"].get(k, 0.0) for r in reps]) for k in reps[0]["seconds"]}
+    out["merge"] = out["merged_phases"].get("merge", 0.0)
+    out["paired_full_over_adapter"] = [f / a for f, a in zip(out["full_all"], out["adapter_all"], strict=True)]
+    out["paired_merged_over_adapter"] = [m / a for m, a in zip(out["merged_all"], out["adapter_all"], strict=True)]
+    return out
+
+
+def lora_rows(trainer: Trainer, ckpt: Path, kind: str, plan: Plan, versions: Versions) -> list[dict[str, Any]]:
+    """One engine started with LoRA enabled (``LORA_ENGINE``) for this model; per transport of ``LORA_TRANSPORTS``
+    in the plan, the adapter sync against a full sync and merge-then-sync (``measure_lora``). At the end the
+    engine must serve the last adapter version."""
+    import ray
+
+    from apps.lora import DEFAULT_TARGETS
+    from bench.engine import bench_actor
+
+    transports = [t for t in plan.transports if t in LORA_TRANSPORTS]
+    if not transports:
+        return []
+    if available_memory() < ENGINE_BYTES + 2 * trainer.bytes + (2 << 30):
+        why = f"not enough memory for a LoRA engine ({available_memory() / (1 << 30):.1f} GiB available)"
+        logger.warning("%s: skipping the LoRA rows: %s", kind, why)
+        return [{"model": kind, "lora": True, "skipped": why}]
+    init = trainer.ask(op="lora_init", rank=plan.lora_rank, targets=list(DEFAULT_TARGETS))
+    actor = bench_actor().remote(model=str(ckpt), tensor_parallel_size=1, dtype="bfloat16", **LORA_ENGINE)
+    out = []
+    try:
+        endpoints = [str(ray.get(actor.endpoint.remote(), timeout=900))]
+        adapter_versions = Versions()
+        for transport in transports:
+            logger.info("%s: LoRA rows over %s", kind, transport)
+            m = measure_lora(trainer, endpoints, transport, plan, versions, adapter_versions)
+            out.append({"model": kind, "transport": transport, "mode": "staged", "lora": True, "rank": plan.lora_rank,
+                        "targets": list(DEFAULT_TARGETS), "adapter_param_bytes": init["adapter_bytes"],
+                        "bytes": trainer.bytes, "bucket_mb": plan.bucket_mb, **m})
+        served = ray.get(actor.adapter_version.remote("bench"))
+        if served != adapter_versions.v:
+            raise RuntimeError(f"lora rows: the engine serves adapter version {served}, the last sync was {adapter_versions.v}")
+    finally:
+        try:
+            trainer.ask(op="lora_close")
+        except (RuntimeError, BrokenPipeError):  # the trainer process died: the error in flight says why
+            pass
+        try:
+            ray.get(actor.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
+    return out
+
+
 def measure_relay(trainer: Trainer, engines: Engines, mode: str, plan: Plan, versions: Versions) -> dict[str, Any]:
     """Fan-out across hosts as a relay does it: the trainer sends each update once, over tcp://, to a relay
     (in this process) in front of every engine; the relay forwards it to their ipc:// endpoints over shm."""
@@ -445,6 +550,12 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
     t0 = time.perf_counter()
     ckpt = make_checkpoint(kind, workdir / f"{kind}-ckpt", CHECKPOINT_SEED)
     trainer = Trainer(kind, seed=7)
+    if plan.lora_only:
+        try:
+            return lora_rows(trainer, ckpt, kind, plan, Versions())
+        finally:
+            trainer.close()
+            logger.info("%s done in %.0fs", kind, time.perf_counter() - t0)
     engines = Engines(ckpt, 1)
     rows: list[dict[str, Any]] = []
     skipped: list[int] = []
@@ -466,7 +577,9 @@ def run_model(kind: str, plan: Plan, workdir: Path, scaling: bool) -> list[dict[
         fastest = min(rows, key=lambda r: r["bridge"])
         if plan.vllm_serve:
             rows += serve_rows(trainer, engines, ckpt, kind, rows, plan, workdir, versions)
-        actor_rows = [r for r in rows if not r.get("vllm_serve")]
+        if plan.lora:
+            rows += lora_rows(trainer, ckpt, kind, plan, versions)
+        actor_rows = [r for r in rows if not r.get("vllm_serve") and not r.get("lora")]
         for mb in plan.sweep_mb:
             if mb == plan.bucket_mb:
                 continue
@@ -527,13 +640,18 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     skipped_rows = [r for r in rows if "skipped" in r]
     served = [serve_ratios(r) for r in rows if r.get("vllm_serve") and "skipped" not in r]
-    rows = [add_ratios(r) for r in rows if "skipped" not in r and not r.get("vllm_serve")]
-    print(table(rows))
+    lora = [lora_ratios(r) for r in rows if r.get("lora") and "skipped" not in r]
+    rows = [add_ratios(r) for r in rows if "skipped" not in r and not r.get("vllm_serve") and not r.get("lora")]
+    if rows:
+        print(table(rows))
     if served:
         print(serve_table(served))
+    if lora:
+        print(lora_table(lora))
     for r in skipped_rows:
-        print(f"{r['model']}: {'vllm serve rows' if r.get('vllm_serve') else str(r['receivers']) + ' receivers'} skipped: {r['skipped']}")
-    for line in verdict(rows) + serve_verdict(served):
+        what = "vllm serve rows" if r.get("vllm_serve") else "LoRA rows" if r.get("lora") else f"{r['receivers']} receivers"
+        print(f"{r['model']}: {what} skipped: {r['skipped']}")
+    for line in verdict(rows) + serve_verdict(served) + lora_verdict(lora):
         print(line)
     by_model: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -542,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                 k: r.get(k) for k in ("bridge", "baseline_a", "baseline_b", "limit", "receivers", "bytes", "transport_alone", "transport_alone_raw")}
     result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
               "host": platform.node(), "cpus": os.cpu_count(), "reps": plan.reps, "bucket_mb": plan.bucket_mb,
-              "models": by_model, "rows": rows, "vllm_serve": served, "skipped": skipped_rows,
-              "verdict": verdict(rows) + serve_verdict(served),
+              "models": by_model, "rows": rows, "vllm_serve": served, "lora": lora, "skipped": skipped_rows,
+              "verdict": verdict(rows) + serve_verdict(served) + lora_verdict(lora),
               "load_average_start": load_at_start, "load_average": os.getloadavg()}
     plan.out.parent.mkdir(parents=True, exist_ok=True)
     plan.out.write_text(json.dumps(result, indent=1))

@@ -10,6 +10,13 @@ with ``"precast": "bfloat16"`` the tensors are already in the wire dtype, so onl
 ``vllm serve`` at U: its publish report (``last_report``), ``send_weights`` (seconds of the whole call: the
 publish, vLLM's HTTP control calls, pause/resume and the prefix-cache reset) and ``http`` (seconds per route);
 ``{"op": "vllm_close"}`` -> shuts those engines down;
+``{"op": "lora_init", "rank": 8, "targets": [...]}`` -> a copy of the model with a LoRA adapter (``apps/lora.py``,
+B made non-zero as after training): ``adapter_bytes``, ``full_bytes``;
+``{"op": "lora", "how": "adapter" | "full" | "merged", "endpoints": [...], "transport": T, "version": 7, "config": {...}}``
+-> one sync of that copy: ``adapter`` publishes the adapter alone (``adapter=``, its own versions), ``full`` the
+base weights, ``merged`` merges the adapter into the base weights (``W + scaling * B A``) and publishes them all;
+its ``seconds.total`` then includes the merge (``seconds.merge``). Each adapter sync first nudges the adapter
+(untimed), so every version differs; these publishers are kept per endpoints until ``{"op": "lora_close"}``;
 ``{"op": "quit"}``.
 """
 
@@ -90,9 +97,77 @@ def _vllm_sync(model: Any, engines: dict[str, Any], cmd: dict[str, Any]) -> dict
             "http": posts.seconds}
 
 
+class _LoRA:
+    """The adapter rows' side of the trainer: a LoRA copy of the model and its publishers (one per endpoints,
+    transport and config, kept between syncs so that alternating syncs do not reconnect)."""
+
+    ADAPTER = "bench"
+
+    def __init__(self, model: Any, rank: int, targets: tuple[str, ...]) -> None:
+        import copy
+
+        import torch
+
+        from apps.lora import LoRASettings, add_lora
+
+        self.model = copy.deepcopy(model)
+        add_lora(self.model, LoRASettings(rank, 2.0 * rank, targets), seed=11)
+        self.gen = torch.Generator().manual_seed(12)
+        self.base = [(n, p.detach()) for n, p in model.named_parameters()]
+        self.publishers: dict[str, WeightPublisher] = {}
+        self.nudge()
+
+    def nudge(self) -> None:
+        """A small random step on every adapter weight, as a training step makes (B leaves zero)."""
+        import torch
+
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if ".lora_" in name:
+                    param.add_(0.01 * torch.randn(param.shape, generator=self.gen).to(param.dtype))
+
+    def sync(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from apps.lora import adapter_spec, adapter_tensors, merged_tensors
+
+        key = json.dumps([cmd["endpoints"], cmd["transport"], cmd.get("config", {})], sort_keys=True)
+        pub = self.publishers.get(key)
+        if pub is None:
+            pub = self.publishers[key] = WeightPublisher(cmd["endpoints"], config=config_from_dict(cmd.get("config", {})),
+                                                         transport=cmd["transport"])
+        how, version = cmd["how"], int(cmd["version"])
+        try:
+            if how == "adapter":
+                self.nudge()
+                report = pub.publish(adapter_tensors(self.model), version=version, adapter=adapter_spec(self.model, self.ADAPTER))
+                return {**report_line(report), "engine_seconds": [e.seconds for e in report.engines]}
+            if how == "full":
+                report = pub.publish(self.base, version=version)
+                return {**report_line(report), "engine_seconds": [e.seconds for e in report.engines]}
+            if how == "merged":
+                t0 = time.perf_counter()
+                merged = merged_tensors(self.model)
+                merge = time.perf_counter() - t0
+                report = pub.publish(merged, version=version)
+                line = report_line(report)
+                line["seconds"] = {**line["seconds"], "merge": merge, "publish": line["seconds"].get("total", 0.0),
+                                   "total": merge + line["seconds"].get("total", 0.0)}
+                return {**line, "engine_seconds": [e.seconds for e in report.engines]}
+        except BridgeError as exc:
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": False, "error": f"unknown sync {how!r}: adapter, full or merged"}
+
+    def close(self) -> None:
+        for pub in self.publishers.values():
+            pub.close()
+        self.publishers.clear()
+
+
 def serve(kind: str, seed: int) -> int:
+    from apps.lora import adapter_tensors, nbytes
+
     model = build_model(kind, seed)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
+    lora: _LoRA | None = None
     publishers: dict[str, WeightPublisher] = {}
     precast: dict[str, list[tuple[str, Any]]] = {}
     vllm_engines: dict[str, Any] = {}
@@ -112,6 +187,18 @@ def serve(kind: str, seed: int) -> int:
             for engine in vllm_engines.values():
                 engine.shutdown()
             vllm_engines.clear()
+            _answer({"ok": True})
+        elif op == "lora_init":
+            if lora is not None:
+                lora.close()
+            lora = _LoRA(model, int(cmd["rank"]), tuple(cmd["targets"]))
+            _answer({"ok": True, "adapter_bytes": nbytes(adapter_tensors(lora.model)), "full_bytes": nbytes(named)})
+        elif op == "lora":
+            _answer(lora.sync(cmd) if lora is not None else {"ok": False, "error": "lora_init first"})
+        elif op == "lora_close":
+            if lora is not None:
+                lora.close()
+            lora = None
             _answer({"ok": True})
         elif op == "publish":
             key = json.dumps([cmd["endpoints"], cmd["transport"], cmd.get("config", {})], sort_keys=True)
@@ -137,6 +224,8 @@ def serve(kind: str, seed: int) -> int:
             _answer({"ok": False, "error": f"unknown op {op!r}"})
     for pub in publishers.values():
         pub.close()
+    if lora is not None:
+        lora.close()
     for engine in vllm_engines.values():
         engine.shutdown()
     return 0

@@ -4,6 +4,7 @@ The loop itself is ``apps/grpo_toy.py`` (installed with the package, so the Ray 
 apps.ray_job --loop grpo`` runs it too); this script runs it on a laptop CPU:
 
     python examples/grpo_toy.py --steps 30
+    python examples/grpo_toy.py --steps 32 --lora 8    # trains a LoRA adapter, syncs only the adapter
 
 ``python examples/grpo_toy.py --help`` lists the options.
 """

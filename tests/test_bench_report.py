@@ -1,5 +1,6 @@
 """The benchmark's pure report functions: the least-squares fit behind "time grows linearly with model
-size", the ratios and the verdict lines (bench/run.py), and the rows for the backend behind vllm serve."""
+size", the ratios and the verdict lines (bench/run.py), the rows for the backend behind vllm serve, and the LoRA rows
+(an adapter's sync against a full sync and merge-then-sync)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from bench.report import (
     add_ratios,
     control_seconds,
     linear_fit,
+    lora_ratios,
+    lora_table,
+    lora_verdict,
     serve_ratios,
     serve_table,
     serve_verdict,
@@ -142,3 +146,18 @@ def test_serve_verdict_names_every_row_and_what_missed_the_goal(rows: list[dict[
 
 def test_serve_verdict_is_empty_without_rows() -> None:
     assert serve_verdict([]) == []
+
+
+def test_lora_rows_are_ratios_over_the_adapter_sync() -> None:
+    row = lora_ratios({"model": "50m", "transport": "shm", "mode": "staged", "rank": 8, "adapter": 0.02, "full": 0.2,
+                       "merged": 0.5, "merge": 0.25, "adapter_bytes": 1_310_720, "full_bytes": 120_103_936,
+                       "paired_full_over_adapter": [9.0, 10.0, 11.0], "paired_merged_over_adapter": [24.0, 25.0, 30.0]})
+    assert row["full_over_adapter"] == pytest.approx(10.0) and row["merged_over_adapter"] == pytest.approx(25.0)
+    assert row["full_bytes_over_adapter"] == pytest.approx(91.63, rel=1e-3)
+    (line,) = lora_verdict([row])
+    assert line == ("50m: LoRA r=8 over shm: adapter sync 0.020s for 1.31 MB; a full sync takes 10.0x as long, "
+                    "merge-then-sync 25.0x (the merge alone 0.250s), carrying 92x the bytes "
+                    "(per round: full/adapter median 10.0, merged/adapter 25.0)")
+    table = lora_table([row]).splitlines()
+    assert table[0].startswith("LoRA: adapter-only sync") and len(table) == 4
+    assert table[3].split()[:6] == ["50m", "shm", "8", "1.31", "120", "0.020"]
