@@ -54,6 +54,29 @@ def peft_dir(directory: Path, tensors: dict[str, Any], spec: wire.AdapterSpec) -
     return write_peft_dir(directory, spec.config, tensors)
 
 
+def send_flipped_checksum_adapter(endpoint: str, version: int = 3) -> tuple[wire.Ack, str]:
+    """A raw publisher sends a valid adapter manifest of ``version`` and one bucket whose first checksum is
+    off by one bit; the engine's Ack and the name of the tensor whose checksum is off."""
+    import torch
+
+    name_a = PREFIX.format(layer=0, module="q_proj") + ".lora_A.weight"
+    name_b = PREFIX.format(layer=0, module="q_proj") + ".lora_B.weight"
+    a = torch.full((4, HIDDEN), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    b = torch.full((HIDDEN, 4), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    manifest = wire.Manifest(version=version, bucket_sizes=(len(a) + len(b),), adapter=adapter_spec(),
+                             tensors=(wire.TensorSpec(name_a, "bfloat16", (4, HIDDEN), 0, 0, len(a)),
+                                      wire.TensorSpec(name_b, "bfloat16", (HIDDEN, 4), 0, len(a), len(b))))
+    client = RawClient(endpoint, identity=b"bad-adapter-checksum")
+    try:
+        client.send(wire.Begin(manifest))
+        client.until(wire.Credit)
+        client.send(wire.BucketHeader(version=version, index=0, checksums=(zlib.crc32(a) ^ 1, zlib.crc32(b))), a + b)
+        ack: wire.Ack = client.until(wire.Ack)
+    finally:
+        client.close()
+    return ack, name_a
+
+
 def gen(actor: Any, adapter: str | None = None) -> list[dict[str, Any]]:
     import ray
 
@@ -187,26 +210,11 @@ def test_bad_adapter_refused_and_previous_version_serves(lora_engine: Any, serve
 def test_flipped_checksum_refused_and_previous_version_serves(lora_engine: Any, served: Any) -> None:
     """A raw publisher sends a valid adapter manifest and a bucket whose checksum is off by one bit."""
     import ray
-    import torch
 
     _one_tp(lora_engine)
     actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
     before = gen(actor, NAME)
-    name_a = PREFIX.format(layer=0, module="q_proj") + ".lora_A.weight"
-    name_b = PREFIX.format(layer=0, module="q_proj") + ".lora_B.weight"
-    a = torch.full((4, HIDDEN), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
-    b = torch.full((HIDDEN, 4), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
-    manifest = wire.Manifest(version=3, bucket_sizes=(len(a) + len(b),), adapter=adapter_spec(),
-                             tensors=(wire.TensorSpec(name_a, "bfloat16", (4, HIDDEN), 0, 0, len(a)),
-                                      wire.TensorSpec(name_b, "bfloat16", (HIDDEN, 4), 0, len(a), len(b))))
-    client = RawClient(endpoint, identity=b"bad-adapter-checksum")
-    try:
-        client.send(wire.Begin(manifest))
-        client.until(wire.Credit)
-        client.send(wire.BucketHeader(version=3, index=0, checksums=(zlib.crc32(a) ^ 1, zlib.crc32(b))), a + b)
-        ack: wire.Ack = client.until(wire.Ack)
-    finally:
-        client.close()
+    ack, name_a = send_flipped_checksum_adapter(endpoint)
     assert not ack.ok
     assert f"tensor {name_a}: checksum mismatch" in ack.reason, ack.reason
     assert ray.get(actor.adapter_version.remote(NAME)) == 2

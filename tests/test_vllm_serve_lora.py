@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bridge import wire
 from tests.helpers import PROMPTS, assert_same_outputs, child_env
-from tests.rawclient import RawClient
-from tests.test_lora import HIDDEN, MAX_RANK, NAME, PREFIX, adapter_spec, adapter_tensors, peft_dir
+from tests.test_lora import (
+    MAX_RANK,
+    NAME,
+    PREFIX,
+    adapter_spec,
+    adapter_tensors,
+    peft_dir,
+    send_flipped_checksum_adapter,
+)
 
 pytestmark = pytest.mark.engine
 PORTS = {1: (18110, 18120), 2: (18111, 18130)}  # TP size -> the HTTP server's port, the TP rank 0 receiver's
@@ -194,32 +199,17 @@ def test_flipped_checksum_refused_over_http_and_previous_version_serves(server: 
     """A raw publisher sends a valid adapter manifest and a bucket whose checksum is off by one bit, while vLLM's
     ``update_weights`` holds the worker in the update."""
     import requests
-    import torch
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     _one_tp(server)
     url = server["url"]
     client = HTTPVLLMWeightSyncClient(url)
-    name_a = PREFIX.format(layer=0, module="q_proj") + ".lora_A.weight"
-    name_b = PREFIX.format(layer=0, module="q_proj") + ".lora_B.weight"
-    a = torch.full((4, HIDDEN), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
-    b = torch.full((HIDDEN, 4), 0.25, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
-    manifest = wire.Manifest(version=3, bucket_sizes=(len(a) + len(b),), adapter=adapter_spec(),
-                             tensors=(wire.TensorSpec(name_a, "bfloat16", (4, HIDDEN), 0, 0, len(a)),
-                                      wire.TensorSpec(name_b, "bfloat16", (HIDDEN, 4), 0, len(a), len(b))))
     client.start_weight_update()
     answers: list[Any] = []
     held = threading.Thread(target=lambda: answers.append(requests.post(f"{url}/update_weights", timeout=300, json={
         "update_info": {"version": 3, "adapter": NAME, "timeout_s": 120}})), daemon=True)
     held.start()
-    raw = RawClient(f"tcp://127.0.0.1:{server['base_port']}", identity=b"bad-adapter-checksum")
-    try:
-        raw.send(wire.Begin(manifest))
-        raw.until(wire.Credit)
-        raw.send(wire.BucketHeader(version=3, index=0, checksums=(zlib.crc32(a) ^ 1, zlib.crc32(b))), a + b)
-        ack: wire.Ack = raw.until(wire.Ack)
-    finally:
-        raw.close()
+    ack, name_a = send_flipped_checksum_adapter(f"tcp://127.0.0.1:{server['base_port']}")
     held.join(300)
     with pytest.raises(requests.HTTPError):  # the worker that raised closed its session already (as the trainer expects)
         client.finish_weight_update()
