@@ -157,14 +157,21 @@ def cmd_health(args: argparse.Namespace, extra: list[str]) -> int:
 
 # ---- relay ----------------------------------------------------------------------------------------------
 def cmd_relay(args: argparse.Namespace, extra: list[str]) -> int:
+    """Runs until SIGINT (Ctrl-C) or SIGTERM (a service manager), then shuts the relay down: its staged
+    segments are released. Both handlers are installed here: a process started in the background of a
+    non-interactive shell inherits SIGINT ignored."""
+    import signal
     import threading
 
     from inference_side.relay import Relay
 
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     relay = Relay(args.engine, load_config(args.config), name=args.name, port=args.port)
     print(f"weight-bridge relay {relay.endpoint()} -> {', '.join(args.engine)}  (Ctrl-C stops)", flush=True)
     try:
-        threading.Event().wait()
+        stop.wait()
     finally:
         relay.shutdown()
     return 0

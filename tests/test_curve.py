@@ -257,7 +257,11 @@ def test_relay_on_the_node_address_takes_only_accepted_publishers(node: str, key
             report = pub.publish(NAMED, version=3)
         assert report.ok and [e["ok"] for e in report.engines[0].engine["relayed"]] == [True], report
     finally:
-        relay.send_signal(signal.SIGINT)  # the relay shuts down (Ctrl-C)
-        relay.wait(30)
+        relay.send_signal(signal.SIGINT)  # the relay shuts down (Ctrl-C), even where it started with SIGINT ignored
+        try:
+            relay.wait(30)
+        except subprocess.TimeoutExpired:
+            relay.kill()
+            raise
         (seen,) = recording.stop(engines)
     assert seen == {"validated": [3], "applied": [3]}, seen
