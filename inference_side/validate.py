@@ -14,9 +14,9 @@ def validate_manifest(manifest: wire.Manifest, table: dict[str, Any], dtype: str
     (unless the engine is degraded: then a complete copy of it is welcome); raise ``ManifestError`` for a
     tensor the engine's checkpoint ``table`` lacks or holds with another shape or dtype (floats travel in the
     engine's ``dtype``). None: the update can be taken."""
-    if manifest.adapter is not None:  # InferenceServer takes adapters (inference_side/lora.py); this door does not
-        raise ManifestError(f"adapter {manifest.adapter.name}: this engine takes no LoRA adapter updates (only an "
-                            f"InferenceActor started with enable_lora=True does, for now)")
+    if manifest.adapter is not None:  # an engine with LoRA enabled checks adapters with lora.validate_adapter
+        raise ManifestError(f"adapter {manifest.adapter.name}: this engine takes no LoRA adapter updates (start it "
+                            f"with LoRA enabled: enable_lora=True, or vllm serve --enable-lora)")
     if manifest.version < served:
         raise VersionError(f"version {manifest.version} is older than the served version {served}")
     if manifest.version == served and not degraded:
