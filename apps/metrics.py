@@ -46,6 +46,12 @@ def failure_class(record: SyncRecord) -> str:
     return (parse_kind(record.kind) or FailureKind.OTHER).value
 
 
+def wire_and_dense(record: SyncRecord) -> tuple[int, int]:
+    """Bytes on the wire and dense bytes of a sync; a record without them (a dense update, or one written
+    before records had them) carried its full bytes."""
+    return record.wire_bytes or record.bytes, record.dense_bytes or record.bytes
+
+
 def _clip(text: str, limit: int = MAX_ALERT_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -122,6 +128,16 @@ class MetricsHub:
                              registry=r)
         self.sync_bytes = Counter("weight_bridge_sync_bytes", "Bytes of weights delivered by successful syncs.",
                                   ["engine"], registry=r)
+        self.wire_bytes = Counter("weight_bridge_sync_wire_bytes",
+                                  "Bytes on the wire of successful syncs: patches for a delta update, the full tensors "
+                                  "for a dense one (against weight_bridge_sync_bytes: what a dense update would carry).",
+                                  ["engine"], registry=r)
+        self.wire_ratio = Gauge("weight_bridge_sync_wire_ratio",
+                                "Bytes on the wire over dense bytes of the latest successful sync (1: dense).",
+                                ["engine"], registry=r)
+        self.delta_density = Gauge("weight_bridge_sync_delta_density",
+                                   "Share of elements that changed in the tensors the latest successful sync sent as "
+                                   "patches (0: a dense update).", ["engine"], registry=r)
         self.stale = Gauge("weight_bridge_stale_tensors", "Stale tensors found by the audit of the latest sync.",
                            ["engine"], registry=r)
         self.identity = Gauge("weight_bridge_identity_violations",
@@ -152,6 +168,10 @@ class MetricsHub:
                 self.failures.labels(name, failure_class(record)).inc()
             elif not record.noop:
                 self.sync_bytes.labels(name).inc(record.bytes)
+                wire, dense = wire_and_dense(record)
+                self.wire_bytes.labels(name).inc(wire)
+                self.wire_ratio.labels(name).set(wire / dense if dense else 1.0)
+                self.delta_density.labels(name).set(record.density if record.delta_base else 0.0)
             self.stale.labels(name).set(len(record.stale_tensors))
             self.identity.labels(name).set(len(record.identity_violations))
             if record.probe_mean_abs_logprob_diff is not None:
@@ -235,6 +255,8 @@ class MetricsHub:
             "total_s": rec.seconds.get("total"), "gbps": rec.gbps, "stale_tensors": len(rec.stale_tensors),
             "identity_violations": len(rec.identity_violations),
             "probe_mean_abs_logprob_diff": rec.probe_mean_abs_logprob_diff, "probe_flagged": rec.probe_flagged,
+            "delta_base": rec.delta_base, "wire_bytes": wire_and_dense(rec)[0], "dense_bytes": wire_and_dense(rec)[1],
+            "density": rec.density,
         }
         return {
             "engine": engine.name, "version": engine.version, "lag": self._trainer_version - engine.version,

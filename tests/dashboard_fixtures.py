@@ -14,11 +14,15 @@ GB = 10**9
 
 
 def ok_record(engine: str, version: int, ts: float, total: float = 1.0, nbytes: int = 2 * GB,
-              probe: float | None = 0.01) -> SyncRecord:
+              probe: float | None = 0.01, delta_base: int = 0) -> SyncRecord:
+    """A verified sync; with ``delta_base`` a delta update: 1% of the elements of 200 tensors changed, 1% of the
+    dense bytes on the wire."""
+    delta = {"delta_base": delta_base, "wire_bytes": nbytes // 100, "dense_bytes": nbytes, "delta_tensors": 200,
+             "density": 0.01} if delta_base else {}
     return SyncRecord(version=version, engine=engine, ok=True, bytes=nbytes, tensors=290,
                       seconds={"pack": 0.1, "transfer": total * 0.6, "load": 0.2, "verify": 0.05, "total": total},
                       tensors_audited=290, probe_mean_abs_logprob_diff=probe, probe_kl=None if probe is None else probe / 10,
-                      timestamp=ts)
+                      timestamp=ts, **delta)
 
 
 def stale_record(engine: str, version: int, ts: float) -> SyncRecord:
@@ -27,11 +31,12 @@ def stale_record(engine: str, version: int, ts: float) -> SyncRecord:
 
 
 def sample_records(now: float | None = None) -> list[SyncRecord]:
-    """engine-a: v1..v3 ok. engine-b: v1, v2 ok, then v3 failed with a stale tensor."""
+    """engine-a: v1..v3 ok (v3 a delta against v2). engine-b: v1, v2 ok, then v3 failed with a stale tensor."""
     t0 = (now or time.time()) - 60
     records = []
     for v in (1, 2, 3):
-        records.append(ok_record("engine-a", v, t0 + 10 * v, total=0.8 + 0.1 * v, probe=0.004 * v))
+        records.append(ok_record("engine-a", v, t0 + 10 * v, total=0.8 + 0.1 * v, probe=0.004 * v,
+                                 delta_base=2 if v == 3 else 0))
         if v < 3:
             records.append(ok_record("engine-b", v, t0 + 10 * v + 1, total=1.0 + 0.1 * v, probe=0.005 * v))
     records.append(stale_record("engine-b", 3, t0 + 31))

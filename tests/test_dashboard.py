@@ -271,6 +271,16 @@ def test_page_lists_each_engine_with_version_lag_health_and_rollouts(rendered: N
 
 
 @needs_chromium
+def test_page_shows_each_syncs_bytes_on_the_wire_and_its_delta(rendered: Node) -> None:
+    """The records table's Wire column: a delta sync's MB on the wire, its base version and changed share; a
+    dense sync says so; a failed one shows nothing delivered."""
+    rows = rendered.find_all("record-row")
+    wire = {(r.attrs["data-engine"], r.find_all("record-wire")[0].text) for r in rows}
+    assert ("engine-a", "20.0 · Δ v2 · 1.0%") in wire, wire
+    assert ("engine-b", "dense") in wire and ("engine-b", "–") in wire, wire
+
+
+@needs_chromium
 def test_page_shows_a_red_alert_naming_the_stale_tensor(rendered: Node) -> None:
     banner = rendered.find("alert-banner")
     assert "hidden" not in banner.attrs and banner.attrs.get("role") == "alert"

@@ -35,6 +35,9 @@ def test_every_family_is_exposed_with_its_type() -> None:
         "weight_bridge_sync_failures": "counter",
         "weight_bridge_syncs": "counter",
         "weight_bridge_sync_bytes": "counter",
+        "weight_bridge_sync_wire_bytes": "counter",
+        "weight_bridge_sync_wire_ratio": "gauge",
+        "weight_bridge_sync_delta_density": "gauge",
         "weight_bridge_stale_tensors": "gauge",
         "weight_bridge_identity_violations": "gauge",
         "weight_bridge_probe_mean_abs_logprob_diff": "gauge",
@@ -114,6 +117,22 @@ def test_bytes_count_only_delivered_syncs() -> None:
     hub.observe(stale_record("a", 3, 3.0))  # failed: its bytes were not delivered
     hub.observe(SyncRecord(version=3, engine="a", ok=True, noop=True, bytes=5 * GB, timestamp=4.0))
     assert value(hub, "weight_bridge_sync_bytes_total", engine="a") == 4 * GB
+
+
+def test_wire_bytes_and_density_follow_delta_syncs() -> None:
+    """A delta sync counts its patches' bytes on the wire; a dense one (or a record without the fields) its
+    full bytes. The gauges show the latest delivered sync: its wire/dense ratio and the changed share."""
+    hub = MetricsHub()
+    hub.observe(ok_record("a", 1, 1.0, nbytes=2 * GB))
+    assert (value(hub, "weight_bridge_sync_wire_ratio", engine="a"), value(hub, "weight_bridge_sync_delta_density", engine="a")) == (1.0, 0.0)
+    hub.observe(ok_record("a", 2, 2.0, nbytes=2 * GB, delta_base=1))
+    hub.observe(stale_record("a", 3, 3.0))  # failed: nothing delivered, the gauges keep the delta's figures
+    assert value(hub, "weight_bridge_sync_wire_bytes_total", engine="a") == 2 * GB + 2 * GB // 100
+    assert value(hub, "weight_bridge_sync_bytes_total", engine="a") == 4 * GB
+    assert value(hub, "weight_bridge_sync_wire_ratio", engine="a") == 0.01
+    assert value(hub, "weight_bridge_sync_delta_density", engine="a") == 0.01
+    last = hub.engines()["engines"][0]["last_sync"]
+    assert last["version"] == 3 and (last["delta_base"], last["wire_bytes"]) == (0, 2 * GB)
 
 
 def test_latest_sync_gauges_stale_identity_probe() -> None:
