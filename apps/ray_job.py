@@ -156,6 +156,7 @@ def sync_summary(report: PublishReport) -> dict[str, Any]:
         "probe_mean_abs_logprob_diff": None if None in diffs or not diffs else max(diffs),
         "probe_kl": None if None in kls or not kls else max(kls),
         "probe_flagged": any(e["probe_flagged"] for e in engines),
+        "delta": dict(report.delta),  # sent as patches or dense, wire and dense bytes, density (empty: deltas off)
         "engines": engines,
     }
 
