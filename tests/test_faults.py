@@ -29,6 +29,9 @@ pytestmark = pytest.mark.engine
 
 # Tiny buckets (the tiny model makes ~40 of them) and short deadlines so faults are found in seconds.
 CONFIG: dict[str, Any] = {
+    # the dense stream, packed bucket by bucket as it is sent: with sync.delta a publisher snapshots the whole
+    # version before its first bucket goes out, so a kill or cut "mid-stream" would land before any byte did
+    "sync": {"delta": False},
     "transport": {"bucket_mb": 0.02, "depth": 2},
     "deadlines": {"connect_s": 10, "manifest_s": 10, "bucket_s": 3, "heartbeat_s": 0.5},
 }
