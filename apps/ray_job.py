@@ -156,7 +156,8 @@ def sync_summary(report: PublishReport) -> dict[str, Any]:
         "probe_mean_abs_logprob_diff": None if None in diffs or not diffs else max(diffs),
         "probe_kl": None if None in kls or not kls else max(kls),
         "probe_flagged": any(e["probe_flagged"] for e in engines),
-        "delta": dict(report.delta),  # sent as patches or dense, wire and dense bytes, density (empty: deltas off)
+        # sent as patches or dense, wire and dense bytes, density (empty: deltas off), as plain JSON values
+        "delta": json.loads(json.dumps(report.delta, default=lambda v: v.item() if hasattr(v, "item") else str(v))),
         "engines": engines,
     }
 

@@ -85,3 +85,16 @@ def test_engines_argument_is_validated() -> None:
     assert parse([]).engines == 1
     with pytest.raises(SystemExit):
         parse(["--engines", "0"])
+
+
+def test_summary_carries_the_delta_telemetry_as_json() -> None:
+    """Each step's line is printed as JSON: the publish's delta telemetry comes through as plain values."""
+    import json
+
+    import numpy as np
+
+    delta = {"mode": "delta", "wire_bytes": np.int64(1200), "dense_bytes": 120000, "density": np.float32(0.01),
+             "dense_fallback": {}}
+    sync = sync_summary(PublishReport(version=3, bytes=100, seconds={"total": 0.2}, engines=(_engine("a"),), delta=delta))
+    assert json.loads(json.dumps(sync))["delta"] == {"mode": "delta", "wire_bytes": 1200, "dense_bytes": 120000,
+                                                     "density": pytest.approx(0.01), "dense_fallback": {}}
