@@ -249,13 +249,14 @@ class MetricsHub:
         degraded = engine.degraded_reason
         health = "unreachable" if engine.unreachable else ("degraded" if degraded else "ok")
         rec = engine.last_record
+        wire, dense = wire_and_dense(rec) if rec is not None else (0, 0)
         last = None if rec is None else {
             "version": rec.version, "ok": rec.ok, "noop": rec.noop, "reason": rec.reason,
             "failure_class": None if rec.ok else failure_class(rec), "timestamp": rec.timestamp,
             "total_s": rec.seconds.get("total"), "gbps": rec.gbps, "stale_tensors": len(rec.stale_tensors),
             "identity_violations": len(rec.identity_violations),
             "probe_mean_abs_logprob_diff": rec.probe_mean_abs_logprob_diff, "probe_flagged": rec.probe_flagged,
-            "delta_base": rec.delta_base, "wire_bytes": wire_and_dense(rec)[0], "dense_bytes": wire_and_dense(rec)[1],
+            "delta_base": rec.delta_base, "wire_bytes": wire, "dense_bytes": dense,
             "density": rec.density,
         }
         return {

@@ -37,6 +37,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_in(ports: range) -> int | None:
+    """The first port of ``ports`` free on 127.0.0.1 (at the time of asking); None when all are taken."""
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return None
+
+
 def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str | Callable[[], str] = "the condition") -> Any:
     """Poll ``pred`` until it returns something true (returned) or ``timeout`` seconds passed (AssertionError
     naming ``what``, or what it returns then)."""

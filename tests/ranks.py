@@ -4,26 +4,21 @@ publish, for tests/test_multi_rank.py and tests/test_multi_rank_engine.py."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, free_port_in
 
 PORTS = range(18400, 18500)  # MASTER_PORT of the ranks' process group
 
 
 def master_port() -> int:
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+    port = free_port_in(PORTS)
+    if port is None:
+        raise AssertionError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+    return port
 
 
 def run_ranks(endpoint: str, scenario: str, world: int, out: Path, first: int = 2, kind: str = "tiny",

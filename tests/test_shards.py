@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -30,7 +29,7 @@ from bridge.shards import (
     plan_ranges,
     shard_of_placements,
 )
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port_in
 
 SHAPES = [(7, 5), (8, 4), (3,), (1, 6), (0, 4), (2, 3, 5), (5, 1), ()]
 # (mesh shape, placements): one mesh dim, and two (HSDP-like Replicate + Shard, 2-D sharding, inner dims)
@@ -254,14 +253,10 @@ def test_range_from_wire_refuses_malformed(raw: dict[str, Any], words: str) -> N
 
 
 def _free_port() -> int:
-    for port in range(47930, 47950):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.skip("no free port in 47930-47949")
+    port = free_port_in(range(47930, 47950))
+    if port is None:
+        pytest.skip("no free port in 47930-47949")
+    return port
 
 
 def test_fsdp2_ranks_send_their_own_shards(tmp_path: Any) -> None:
