@@ -118,9 +118,16 @@ def _resources_arg(resources: dict[str, float]) -> list[str]:
     return [f"--resources={json.dumps(resources)}"] if resources else []
 
 
-def head_command(plan: ClusterPlan, temp_dir: str, *, num_cpus: int, object_store_bytes: int) -> list[str]:
+def head_command(plan: ClusterPlan, temp_dir: str, *, num_cpus: int, object_store_bytes: int,
+                 dashboard_port: int | None = None) -> list[str]:
+    """The head's ``ray start``; with ``dashboard_port`` its dashboard (the jobs API ``ray job submit`` needs)
+    listens on the head's address."""
+    dashboard = (["--include-dashboard=true", f"--dashboard-host={plan.head_ip}", f"--dashboard-port={dashboard_port}"]
+                 if dashboard_port else ["--include-dashboard=false"])
+    # the head shares the root namespace with every other Ray on this host: no fixed default ports
+    ports = [f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}"]
     return [str(RAY_BIN), "start", "--head", f"--node-ip-address={plan.head_ip}", f"--port={plan.port}",
-            f"--num-cpus={num_cpus}", "--include-dashboard=false", f"--temp-dir={temp_dir}",
+            f"--num-cpus={num_cpus}", *dashboard, *ports, f"--temp-dir={temp_dir}",
             "--disable-usage-stats", f"--object-store-memory={object_store_bytes}",
             *_resources_arg(plan.head_resources)]
 
@@ -136,6 +143,14 @@ def worker_command(plan: ClusterPlan, node: NodeSpec, temp_dir: str, *, num_cpus
     script = f"mount -t tmpfs -o size={shm_bytes} tmpfs /dev/shm && exec {ray}"
     return ["ip", "netns", "exec", node.namespace, "unshare", "--mount", "--propagation", "private",
             "sh", "-c", script]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -180,12 +195,14 @@ class NamespaceCluster:
 
     def __init__(self, workers: int = 2, *, prefix: str = "wbn", subnet: str = "10.201.0.0/24", port: int = 45100,
                  num_cpus: int = 2, object_store_bytes: int = 256 << 20, shm_bytes: int = 4 << 30,
-                 deadline_s: float = 120.0, extra_env: dict[str, str] | None = None) -> None:
+                 deadline_s: float = 120.0, extra_env: dict[str, str] | None = None,
+                 dashboard_port: int | None = None) -> None:
         self.plan = plan_cluster(workers, prefix=prefix, subnet=subnet, port=port)
         self.num_cpus = num_cpus
         self.object_store_bytes = object_store_bytes
         self.shm_bytes = shm_bytes
         self.deadline_s = deadline_s
+        self.dashboard_port = dashboard_port
         self.token = uuid.uuid4().hex + uuid.uuid4().hex
         self.extra_env = dict(extra_env or {})
         self.temp_dir = ""
@@ -195,6 +212,13 @@ class NamespaceCluster:
     @property
     def address(self) -> str:
         return self.plan.address
+
+    @property
+    def dashboard(self) -> str:
+        """The jobs API address (``ray job submit --address``); only with ``dashboard_port``."""
+        if not self.dashboard_port:
+            raise RuntimeError("this cluster was started without a dashboard (pass dashboard_port)")
+        return f"http://{self.plan.head_ip}:{self.dashboard_port}"
 
     def env(self) -> dict[str, str]:
         """The environment of every process of this cluster (and of a driver joining it)."""
@@ -223,7 +247,8 @@ class NamespaceCluster:
             _run(cmd)
         self.temp_dir = tempfile.mkdtemp(prefix=f"{self.plan.prefix}-", dir="/tmp")  # short: unix socket paths
         head = subprocess.run(head_command(self.plan, self.node_dir("head"), num_cpus=self.num_cpus,
-                                           object_store_bytes=self.object_store_bytes),
+                                           object_store_bytes=self.object_store_bytes,
+                                           dashboard_port=self.dashboard_port),
                               env=self.env(), capture_output=True, text=True, timeout=self.deadline_s)
         if head.returncode != 0:
             raise RuntimeError(f"ray start --head failed:\n{head.stdout[-2000:]}\n{head.stderr[-2000:]}")
