@@ -88,7 +88,7 @@ def plan_cluster(workers: int, *, prefix: str = "wbn", subnet: str = "10.201.0.0
 
 
 def network_commands(plan: ClusterPlan) -> list[list[str]]:
-    """``ip`` commands that build the bridge and every node's namespace and veth pair."""
+    """``ip`` commands that build the bridge and every node's namespace, veth pair, address and default route."""
     cmds = [["ip", "link", "add", plan.bridge, "type", "bridge"],
             ["ip", "addr", "add", f"{plan.head_ip}/{plan.prefix_len}", "dev", plan.bridge],
             ["ip", "link", "set", plan.bridge, "up"]]
@@ -100,7 +100,10 @@ def network_commands(plan: ClusterPlan) -> list[list[str]]:
                  ["ip", "link", "set", node.veth_root, "up"],
                  ["ip", "-n", node.namespace, "addr", "add", f"{node.ip}/{plan.prefix_len}", "dev", node.veth_node],
                  ["ip", "-n", node.namespace, "link", "set", node.veth_node, "up"],
-                 ["ip", "-n", node.namespace, "link", "set", "lo", "up"]]
+                 ["ip", "-n", node.namespace, "link", "set", "lo", "up"],
+                 # a default route, so a process there finds its own address as on a host (vLLM's get_ip asks
+                 # the kernel which source address would reach a public one)
+                 ["ip", "-n", node.namespace, "route", "add", "default", "via", plan.head_ip]]
     return cmds
 
 
