@@ -204,6 +204,7 @@ def measure_block(trainer: Child, engine: Child, endpoint: str, plan: Plan, dens
         if "seconds" not in got:
             raise RuntimeError(f"baseline B failed: {got}")
         b.append(float(got["seconds"]))
+    status = engine.ask(op="status")  # the receiver's base store now (empty with deltas off)
     d = [r.get("delta") or {} for r in reports]
     phases = sorted({k for r in reports for k in r["seconds"]})
     return {
@@ -218,6 +219,7 @@ def measure_block(trainer: Child, engine: Child, endpoint: str, plan: Plan, dens
         "engine_phases": {k: statistics.median(max(float(e.get(k, 0.0)) for e in r["engine_seconds"]) for r in reports)
                           for k in sorted({k for r in reports for e in r["engine_seconds"] for k in e})},
         "publisher_base_bytes": max(int(r.get("base_bytes", 0)) for r in reports),
+        "receiver_base_bytes": int(status.get("base_bytes", 0)),
     }
 
 
@@ -229,10 +231,9 @@ def measure_path(trainer: Child, engine: Child, endpoint: str, kind: str, path: 
         t0 = time.time()
         dlt = measure_block(trainer, engine, endpoint, plan, density, True, versions, seeds)
         dense = measure_block(trainer, engine, endpoint, plan, density, False, versions, seeds)
-        status = engine.ask(op="status")
         row = {"model": kind, "path": path, "density": density, "mode": plan.mode, "load_average_start": load,
                "load_average_end": _load(), "started": time.strftime("%H:%M:%S", time.gmtime(t0)),
-               "delta": dlt, "dense": dense, "receiver_base_bytes_after_delta_block": status.get("base_bytes"),
+               "delta": dlt, "dense": dense,
                "wire_over_dense": dlt["wire_bytes"] / dlt["dense_bytes"],
                "delta_over_dense": dlt["seconds"] / dense["seconds"],
                "dense_over_delta": dense["seconds"] / dlt["seconds"],
