@@ -17,7 +17,9 @@ B made non-zero as after training): ``adapter_bytes``, ``full_bytes``;
 base weights, ``merged`` merges the adapter into the base weights (``W + scaling * B A``) and publishes them all;
 its ``seconds.total`` then includes the merge (``seconds.merge``). Each adapter sync first nudges the adapter
 (untimed), so every version differs; these publishers are kept per endpoints until ``{"op": "lora_close"}``;
-``{"op": "quit"}``.
+``{"op": "step", "density": 0.01, "seed": 3}`` -> ``bench.delta_link.rl_step_`` on the model's tensors in place (the
+next RL-like version: that share of each tensor's elements scaled by 1 + 0.01 N(0, 1)): its seconds;
+``{"op": "quit"}``. Publish answers carry the publish's delta telemetry (``delta``: mode, wire and dense bytes, density).
 """
 
 from __future__ import annotations
@@ -200,6 +202,12 @@ def serve(kind: str, seed: int) -> int:
                 lora.close()
             lora = None
             _answer({"ok": True})
+        elif op == "step":
+            from bench.delta_link import rl_step_
+
+            t0 = time.perf_counter()
+            rl_step_([t for _, t in named], float(cmd["density"]), int(cmd["seed"]))
+            _answer({"ok": True, "seconds": time.perf_counter() - t0})
         elif op == "publish":
             key = json.dumps([cmd["endpoints"], cmd["transport"], cmd.get("config", {})], sort_keys=True)
             pub = publishers.get(key)
@@ -217,7 +225,8 @@ def serve(kind: str, seed: int) -> int:
                 weights = precast.setdefault(dtype, [(n, t.to(getattr(torch, dtype))) for n, t in named])
             try:
                 report = pub.publish(weights, version=int(cmd["version"]))
-                _answer({**report_line(report), "engine_seconds": [e.seconds for e in report.engines]})
+                _answer({**report_line(report), "engine_seconds": [e.seconds for e in report.engines],
+                         "base_bytes": pub.base_bytes, "delta": json.loads(json.dumps(report.delta, default=lambda v: v.item() if hasattr(v, "item") else str(v)))})
             except BridgeError as exc:
                 _answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         else:
