@@ -356,6 +356,19 @@ class BucketHeader:
 
 
 @dataclass(frozen=True)
+class RankBucket:
+    """Trainer rank ``rank``'s byte ranges of bucket ``index`` of ``version`` (a sharded update over ZMQ):
+    they follow as one frame, the rank's ranges of that bucket concatenated in the shard manifest's order
+    (a strided range as its runs in order). Sent on the rank's own data socket, whose identity is the
+    control socket's followed by ``|rank<rank>``; the checksums travel in rank 0's ``BucketHeader``."""
+
+    version: int
+    index: int
+    rank: int
+    type: str = field(default="ranks", init=False)
+
+
+@dataclass(frozen=True)
 class LinkOffer:
     """Join collective link ``link`` (``backend`` gloo or nccl) as ``rank`` of ``world``: the publisher's
     private TCPStore listens on ``host:port``. Sent before Begin when the transport is collective; bucket
@@ -436,7 +449,7 @@ class StatusReply:
     type: str = field(default="status", init=False)
 
 
-Message = (Hello | EngineInfo | Begin | BucketHeader | LinkOffer | End | Abort | Credit | Heartbeat | Ack | StatusRequest
+Message = (Hello | EngineInfo | Begin | BucketHeader | RankBucket | LinkOffer | End | Abort | Credit | Heartbeat | Ack | StatusRequest
            | StatusReply)
 
 
@@ -500,6 +513,10 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
                 segment=_str(raw.get("segment", ""), "segment", 255),
                 token=_str(raw.get("token", ""), "token", 64),
             )
+        if kind == "ranks":
+            return RankBucket(version=_int(raw.get("version"), "version"),
+                              index=_int(raw.get("index"), "bucket index", 0, 1 << 31),
+                              rank=_int(raw.get("rank"), "rank", 0, 1 << 20))
         if kind == "link":
             backend = _str(raw.get("backend"), "link.backend", 16)
             _require(backend in COLLECTIVE, f"link.backend must be {' or '.join(COLLECTIVE)}, got {_brief(backend)}")

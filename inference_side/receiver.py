@@ -236,6 +236,7 @@ class SyncReceiver:
         session = self._sessions.pop(identity, None)
         if session is not None:
             session.close(reason)
+            self._plane(session.manifest.transport).drop(identity)
             remember(self._refused, identity, session.manifest.version)
             adapter = adapter or (session.manifest.adapter.name if session.manifest.adapter else "")
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason, kind=kind.value))
@@ -274,6 +275,8 @@ class SyncReceiver:
                 self._refuse(sock, identity, 0, exc)
         elif isinstance(msg, wire.BucketHeader):
             self._bucket(sock, identity, msg, frames[2:])
+        elif isinstance(msg, wire.RankBucket):
+            self._piece(sock, identity, msg, frames[2:])
         elif isinstance(msg, wire.End):
             self._end(sock, identity, msg)
         elif isinstance(msg, wire.StatusRequest):
@@ -281,6 +284,7 @@ class SyncReceiver:
         elif isinstance(msg, wire.Abort):
             if session is not None and session.pending is None:
                 self._sessions.pop(identity).close(msg.reason or "aborted by the publisher")
+                self._plane(session.manifest.transport).drop(identity)
                 self.on_event("aborted", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.ABORTED.value})
             elif session is None and self._noops.get(identity) == msg.version:
                 # the publisher found that the version answered "already served" holds other weights
@@ -342,6 +346,7 @@ class SyncReceiver:
                     raise WrongBase("this engine keeps no base for delta updates (sync.delta: false)")
                 self.bases.check(manifest)
             self._plane(manifest.transport).begin(identity)
+            self._plane(manifest.transport).expect(identity, manifest)
         except BridgeError as exc:
             self._refuse(sock, identity, manifest.version, exc)
             return
@@ -378,6 +383,30 @@ class SyncReceiver:
             session.checksums[header.index] = header.checksums
             return
         self._staged(sock, session, header.index, segment, header.checksums, t0, header.token if header.segment else "")
+
+    def _piece(self, sock: Any, identity: bytes, piece: wire.RankBucket, frames: list[Any]) -> None:
+        """A trainer rank's ranges of a bucket (a sharded update over ZMQ), from its own data socket: its
+        identity is the update's control identity followed by ``|rank<rank>``. Landed by the transport's
+        plane; ranges the manifest does not give that rank fail the update naming it."""
+        control, sep, tail = identity.rpartition(b"|rank")
+        if not sep or tail != str(piece.rank).encode():
+            logger.warning("dropping ranges from %r: they claim rank %s", identity, piece.rank)
+            return
+        session = self._sessions.get(control)
+        if session is None or piece.version < session.manifest.version:
+            # a refused, aborted or finished update's late ranges (its publisher already has the answer)
+            logger.debug("dropping rank %s's bucket %s of v%s from %r: no such update in progress", piece.rank,
+                         piece.index, piece.version, control)
+            return
+        session.last_seen = time.monotonic()
+        try:
+            if piece.version != session.manifest.version:
+                raise WireError(f"trainer rank {piece.rank} sent bucket {piece.index} of version {piece.version} "
+                                f"during version {session.manifest.version}")
+            self._plane(session.manifest.transport).piece(control, session.manifest.version, piece, frames,
+                                                          lambda n: session.receive_segment(n, self._pool))
+        except BridgeError as exc:
+            self._refuse(sock, control, session.manifest.version, exc)
 
     def _staged(self, sock: Any, session: Session, index: int, segment: Segment, checksums: tuple[int, ...], t0: float,
                 token: str = "") -> None:
@@ -449,6 +478,11 @@ class SyncReceiver:
     def _landing(self, session: Session) -> bool:
         return self._plane(session.manifest.transport).pending_for(session.identity)
 
+    def _ranks_landing(self, session: Session) -> bool:
+        """A bucket of an update from many trainer ranks waits for a rank's part: its plane times it out,
+        naming the ranks it waits for (not the session's own data deadline, which names none)."""
+        return session.manifest.shards is not None and self._landing(session)
+
     def _end(self, sock: Any, identity: bytes, msg: wire.End) -> None:
         session = self._sessions.get(identity)
         if self._late(session, identity, msg.version, "end"):
@@ -513,8 +547,9 @@ class SyncReceiver:
                 elif now - session.last_ping >= deadlines.heartbeat_s:
                     session.last_ping = now
                     self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))
-            elif now - session.last_seen > deadlines.bucket_s:
+            elif now - session.last_seen > deadlines.bucket_s and not self._ranks_landing(session):
                 logger.warning("update v%s from %r timed out waiting for data", version, identity)
                 self._sessions.pop(identity).close()
+                self._plane(session.manifest.transport).drop(identity)
                 self.on_event("timeout", {"version": version, "reason": f"no data for {deadlines.bucket_s}s",
                                           "kind": FailureKind.TIMEOUT.value})

@@ -4,6 +4,7 @@ publish, for tests/test_multi_rank.py and tests/test_multi_rank_engine.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,10 @@ from typing import Any
 
 from tests.helpers import ROOT, child_env, free_port_in
 
-PORTS = range(18400, 18500)  # MASTER_PORT of the ranks' process group
+PORTS = range(18400, 18500)  # MASTER_PORT of the ranks' process group (WB_TEST_RANK_PORTS=lo-hi: another range)
+if os.environ.get("WB_TEST_RANK_PORTS"):
+    _lo, _hi = os.environ["WB_TEST_RANK_PORTS"].split("-")
+    PORTS = range(int(_lo), int(_hi))
 
 
 def master_port() -> int:
@@ -22,12 +26,12 @@ def master_port() -> int:
 
 
 def run_ranks(endpoint: str, scenario: str, world: int, out: Path, first: int = 2, kind: str = "tiny",
-              timeout: float = 600) -> tuple[list[int], list[list[dict[str, Any]]], str]:
-    """Start ``world`` ranks of ``scenario`` publishing to ``endpoint``; their exit codes, each rank's
-    results (empty for a rank that wrote none) and their logs."""
+              timeout: float = 600, transport: str = "shm") -> tuple[list[int], list[list[dict[str, Any]]], str]:
+    """Start ``world`` ranks of ``scenario`` publishing to ``endpoint`` over ``transport``; their exit codes,
+    each rank's results (empty for a rank that wrote none) and their logs."""
     port = master_port()
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "ranks_worker.py"), str(r), str(world), str(port),
-                               str(out), endpoint, scenario, str(first), kind],
+                               str(out), endpoint, scenario, str(first), kind, transport],
                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
              for r in range(world)]
     try:

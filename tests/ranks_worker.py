@@ -12,9 +12,9 @@ Scenarios (the same on every rank unless said):
 * ``steal``: version 5; rank 1 claims rank 0's rows of ``model.norm.weight`` (a test-side patch of its
   block) instead of its own.
 
-Run: python tests/ranks_worker.py RANK WORLD PORT OUT ENDPOINT SCENARIO [FIRST_VERSION [KIND]]
+Run: python tests/ranks_worker.py RANK WORLD PORT OUT ENDPOINT SCENARIO [FIRST_VERSION [KIND [TRANSPORT]]]
 (``versions`` publishes FIRST_VERSION and FIRST_VERSION + 1, default 2 and 3, with the same weights; KIND is a
-devtools.tiny_models kind, ``tiny`` (Qwen2) unless given.)
+devtools.tiny_models kind, ``tiny`` (Qwen2) unless given; TRANSPORT ``shm`` unless given, or ``zmq``.)
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def sharded_model(seed: int, mesh: Any, kind: str = "tiny") -> Any:
 
 
 def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: str, first: int = 2,
-         kind: str = "tiny") -> None:
+         kind: str = "tiny", transport: str = "shm") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -65,7 +65,8 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
     DTensor.full_tensor = refuse  # type: ignore[method-assign]
     DTensor.redistribute = refuse  # type: ignore[method-assign]
     mesh = init_device_mesh("cpu", (world,))
-    publisher = RankedPublisher([endpoint], config=config_from_dict(CONFIG))
+    config = {**CONFIG, "transport": {**CONFIG["transport"], "kind": transport}}
+    publisher = RankedPublisher([endpoint], config=config_from_dict(config))
 
     def publish(model: Any, version: int) -> None:
         try:
@@ -102,10 +103,11 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
             if rank == 1:
                 write = multi_rank.RankedPublisher._write
 
-                def corrupting_write(self: Any, index: int, buffer: Any, specs: Any, mine: Any, *args: Any) -> Any:
-                    sums = write(self, index, buffer, specs, mine, *args)
+                def corrupting_write(self: Any, index: int, buffer: Any, specs: Any, mine: Any, *args: Any,
+                                     packed: bool = False) -> Any:
+                    sums = write(self, index, buffer, specs, mine, *args, packed=packed)
                     if index == 0 and mine:
-                        at = specs[mine[0].name].offset + mine[0].offset
+                        at = 0 if packed else specs[mine[0].name].offset + mine[0].offset
                         buffer[at] ^= 1
                     return sums
 
@@ -135,4 +137,5 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6],
-         int(sys.argv[7]) if len(sys.argv) > 7 else 2, sys.argv[8] if len(sys.argv) > 8 else "tiny")
+         int(sys.argv[7]) if len(sys.argv) > 7 else 2, sys.argv[8] if len(sys.argv) > 8 else "tiny",
+         sys.argv[9] if len(sys.argv) > 9 else "shm")

@@ -55,6 +55,7 @@ SAMPLES: list[wire.Message] = [
     wire.Begin(_MANIFEST),
     wire.Begin(_ADAPTER),
     wire.BucketHeader(version=5, index=1, checksums=(1, 2), segment="wb-x"),
+    wire.RankBucket(version=5, index=1, rank=3),
     wire.LinkOffer(link="ab12", backend="gloo", host="127.0.0.1", port=29500, rank=1, world=3),
     wire.End(version=5),
     wire.Abort(version=5, reason="stop"),

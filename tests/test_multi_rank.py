@@ -91,17 +91,20 @@ def test_receiver_refuses_a_shard_manifest_that_does_not_cover_once(start_receiv
     assert engine.validated == [] and engine.applied == []
 
 
-def test_four_fsdp2_ranks_land_exactly_the_unsharded_bytes(start_receiver: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_four_fsdp2_ranks_land_exactly_the_unsharded_bytes(start_receiver: Any, tmp_path: Path, transport: str) -> None:
     """Four real ranks (gloo, FSDP2, full_tensor raising) publish two versions through a real receiver; what
     it hands the engine stand-in is, byte for byte, the unsharded model's state dict (times 0.5 for the
-    second version), and every rank returns the same report."""
+    second version), and every rank returns the same report. Over zmq each rank sends its own ranges on its
+    own socket (tcp) and the receiver lands them."""
     import torch
 
     from tests.ranks import full_weights, run_ranks
 
     engine = FakeEngine(keep="bytes", version=1)
     rx = start_receiver(config_from_dict({}), engine)
-    codes, results, logs = run_ranks(rx.ipc_endpoint or rx.endpoint, "versions", 4, tmp_path)
+    endpoint = rx.endpoint if transport == "zmq" else rx.ipc_endpoint or rx.endpoint
+    codes, results, logs = run_ranks(endpoint, "versions", 4, tmp_path, transport=transport)
     assert codes == [0, 0, 0, 0], logs
     assert all([(r["version"], r["ok"]) for r in res] == [(2, True), (3, True)] for res in results), results
     assert engine.applied == [2, 3]
@@ -113,3 +116,4 @@ def test_four_fsdp2_ranks_land_exactly_the_unsharded_bytes(start_receiver: Any, 
     manifest = engine.manifests[3]
     assert manifest.shards is not None and manifest.shards.world_size == 4
     assert {r.rank for r in manifest.shards.ranges} == {0, 1, 2, 3}
+    assert manifest.transport == transport

@@ -42,6 +42,7 @@ ROUND_TRIP = [
     wire.BucketHeader(version=3, index=1, checksums=(0, 0xFFFFFFFF, 12345)),
     wire.BucketHeader(version=3, index=0, checksums=(), segment="wb-recv-abc"),
     wire.BucketHeader(version=3, index=0, checksums=(7,), segment="wb-pub-1-abc", token="0123456789abcdef"),
+    wire.RankBucket(version=3, index=2, rank=5),
     wire.LinkOffer(link="0123abcd", backend="gloo", host="10.0.0.2", port=29500, rank=2, world=3),
     wire.End(version=3),
     wire.Abort(version=3, reason="trainer crashed"),

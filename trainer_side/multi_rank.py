@@ -10,9 +10,13 @@ DTensors; plain tensors, which count as held by every rank and are sent by rank 
    rank 0, which merges them into one ``ShardManifest`` (``bridge.shards.agree``: every rank present once,
    every byte of every tensor sent by exactly one rank) and lays the full tensors out in buckets as a
    single-process publisher would (``bridge.shards.layout``);
-3. rank 0 creates the buckets' shared-memory segments and hands their names out; each rank writes its
-   ranges into them at their offsets (strided ranges of inner-dim shards are re-laid by the write) bucket by
-   bucket, and reports each bucket with one checksum per range it wrote;
+3. ``shm``: rank 0 creates the buckets' shared-memory segments and hands their names out; each rank writes
+   its ranges into them at their offsets (strided ranges of inner-dim shards are re-laid by the write) bucket
+   by bucket, and reports each bucket with one checksum per range it wrote. ``zmq``: each rank packs its
+   ranges of a bucket (its local shard's bytes, in manifest order) into one frame and sends it on its own
+   socket to each engine (``wire.RankBucket``), at most ``transport.depth`` buckets ahead of rank 0's headers
+   (rank 0 hands out the window), then reports the bucket's checksums; the receiver lands each rank's
+   ranges at their place in its staging (bridge/transports/zmq_plane.py);
 4. rank 0 sends the manifest (with ``shards``) and each bucket header once every rank reported that bucket,
    the header's checksums being the ranges' (the receiver verifies each range: inference_side/ranges.py);
 5. rank 0 tells every rank the outcome: each returns the same ``PublishReport`` or raises the same error.
@@ -23,9 +27,11 @@ update (staged: nothing applied), and ``publish`` raises ``UpdateFailed`` whose 
 
 The ranks talk to rank 0 over a private ZMQ ipc socket (its address is broadcast once, when the publisher is
 built, through the process group), so after that no collective is needed and every wait has a deadline.
-Transport: ``shm`` (every rank on the engines' host). Memory per rank beyond its own shards: one tensor's
-local shard cast to the travel dtype at a time; the buckets lie in /dev/shm as for a staged single-process
-shm publish.
+Transports: ``shm`` (every rank on the engines' host) and ``zmq`` (engines anywhere; the ranks on one host,
+as their channel is a host-local socket). Memory per rank beyond its own shards: one tensor's local shard
+cast to the travel dtype at a time, and with ``zmq`` its packing ring of ``depth + 1`` buffers, each as
+large as its largest share of a bucket; with ``shm`` the buckets lie in /dev/shm as for a staged
+single-process shm publish.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import msgpack
 
 from bridge import checksums, wire
 from bridge.config import BridgeConfig, load_config
+from bridge.curve import client_curve, secure_client
 from bridge.errors import BridgeError, ConfigError, RankFailed, TransportError, UpdateFailed
 from bridge.report import describe, parse_kind
 from bridge.sender import EngineReport, PublishReport, UpdateSender
@@ -56,13 +63,15 @@ from bridge.shards import (
     layout,
     local_plan,
 )
-from bridge.transports.base import OutgoingBucket
+from bridge.transports import send_plane
+from bridge.transports.base import OutgoingBucket, SendPlane
 from trainer_side.packing import iter_named
 from trainer_side.shard_view import is_dtensor, local_shard, range_views
 
 __all__ = ["RankedPublisher"]
 
 POLL_S = 0.02
+TRANSPORTS = ("shm", "zmq")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -120,8 +129,9 @@ class _ControlPeer(UpdateSender):
 
 class RankedPublisher:
     """Publishes weight versions from every rank of a process group (default: the world) to one or more
-    engines on this host. Build it on every rank (a collective: the ranks learn where rank 0 listens) and
-    call ``publish`` on every rank with the same version."""
+    engines (on this host for ``shm``). Build it on every rank (a collective: the ranks learn where rank 0
+    listens, the publisher's name and rank 0's endpoints) and call ``publish`` on every rank with the same
+    version."""
 
     def __init__(self, endpoints: list[str] | str, config: BridgeConfig | str | None = None, name: str | None = None,
                  group: Any = None, transport: str | None = None) -> None:
@@ -129,9 +139,9 @@ class RankedPublisher:
 
         self.config = config if isinstance(config, BridgeConfig) else load_config(config)
         self.transport = transport or self.config.transport.kind
-        if self.transport != "shm":
-            raise ConfigError(f"a multi-rank publish travels over shm for now (every rank writes its ranges into the "
-                              f"shared buckets), not {self.transport}: set transport.kind to shm")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"a multi-rank publish travels over {' or '.join(TRANSPORTS)}, not {self.transport}: "
+                              f"set transport.kind to one of them")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -140,14 +150,19 @@ class RankedPublisher:
         self._inbox: dict[Any, Any] = {}  # rank 0: (rank, kind, bucket) -> a message not yet waited for
         self._root_pid = 0
         deadlines = self.config.deadlines
+        self._data: list[Any] = []  # zmq: this rank's socket to each engine
+        self._pieces: SendPlane | None = None  # zmq, ranks other than 0: this rank's packing ring
         if self.rank == 0:
-            self._control = _ControlPeer(endpoints, self.config, name=name, transport="shm")
+            self._control = _ControlPeer(endpoints, self.config, name=name, transport=self.transport)
             self._channel = _Channel(None, 0)
             self.name = self._control.name
-        box: list[Any] = [(self._channel.address, self.name) if self.rank == 0 else None]
+            self.endpoints = [p.endpoint for p in self._control._peers]
+        box: list[Any] = [(self._channel.address, self.name, self.endpoints) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if self.transport == "zmq":
+            self._connect_data(box[0][1], box[0][2])
         if self.rank != 0:
-            address, self.name = box[0]
+            address, self.name, self.endpoints = box[0]
             self._channel = _Channel(address, self.rank)
             self._channel.send({"t": "hello", "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()})
             welcome = self._await({"welcome"}, 0, deadlines.connect_s, "the welcome of rank 0")
@@ -167,18 +182,44 @@ class RankedPublisher:
             if msg.get("t") != "hello":
                 continue
             if msg.get("host") != host:
-                raise RankFailed(f"trainer rank {rank} runs on {msg.get('host')}, not on rank 0's host {host}: shm needs "
-                                 f"every rank on the engines' host", rank)
+                raise RankFailed(f"trainer rank {rank} runs on {msg.get('host')}, not on rank 0's host {host}: the ranks "
+                                 f"of a multi-rank publish share one host", rank)
             self._pids[rank] = int(msg["pid"])
         for rank in self._pids:
             self._channel.send({"t": "welcome", "pid": os.getpid()}, to=rank)
 
+    def _connect_data(self, name: str, endpoints: list[str]) -> None:
+        """zmq: this rank's own DEALER to each engine, its identity the control socket's plus ``|rank<r>``."""
+        import zmq
+
+        curve = client_curve(self.config.transport)
+        ctx: Any = zmq.Context.instance()
+        for endpoint in endpoints:
+            identity = f"{name}|{endpoint}".encode()[:255] + f"|rank{self.rank}".encode()
+            if len(identity) > 255:
+                raise ConfigError(f"publisher name {name!r} with endpoint {endpoint} is too long for rank {self.rank}'s "
+                                  f"socket identity (255 bytes)")
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.config.deadlines.bucket_s * 1000))  # a send never waits longer
+            secure_client(sock, curve)
+            sock.connect(endpoint)
+            self._data.append(sock)
+
     # ---- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the engines' link (rank 0) and the ranks' channel; closing twice is harmless."""
+        """Close the engines' link (rank 0), this rank's data sockets and the ranks' channel; closing twice is
+        harmless."""
         if self._control is not None:
             self._control.close()
             self._control = None
+        for sock in self._data:
+            sock.close(0)
+        self._data = []
+        if self._pieces is not None:
+            self._pieces.close()
+            self._pieces = None
         if not self._channel.sock.closed:
             self._channel.close()
 
@@ -215,14 +256,21 @@ class RankedPublisher:
         return local_plan(self.rank, [s for s, _ in held.values()]), held
 
     def _write(self, index: int, buffer: Any, specs: dict[str, wire.TensorSpec], mine: list[RangeSpec],
-               held: dict[str, tuple[LocalShard, Any]], algorithm: str) -> list[int]:
-        """Write this rank's ranges of bucket ``index`` (``mine``, manifest order) into ``buffer`` (the bucket's
-        bytes) and return their checksums over the bytes as sent (a strided range: its runs in order)."""
+               held: dict[str, tuple[LocalShard, Any]], algorithm: str, packed: bool = False) -> list[int]:
+        """Write this rank's ranges of bucket ``index`` (``mine``, manifest order) into ``buffer`` and return
+        their checksums over the bytes as sent (a strided range: its runs in order). ``buffer`` holds the
+        bucket's bytes (each range lands at its place), or with ``packed`` just this rank's ranges, one after
+        the other as they travel (zmq)."""
         import torch
 
         fn = None if algorithm == "none" else checksums.function(algorithm)
         sums: list[int] = []
         names = list(dict.fromkeys(r.name for r in mine))
+        packed_at: dict[tuple[str, int], int] = {}
+        at = 0
+        for r in mine:  # where each range travels in a packed buffer: manifest order
+            packed_at[(r.name, r.offset)] = at
+            at += r.nbytes
         for name in names:
             shard, tensor = held[name]
             local = tensor.to_local() if is_dtensor(tensor) else tensor
@@ -238,7 +286,10 @@ class RankedPublisher:
                 view = views.get((r.offset, r.nbytes))
                 if view is None:
                     raise ShardError(f"tensor {name}: rank {self.rank} holds no {r.describe()}", name, (self.rank,))
-                if r.run:
+                if packed:
+                    at = packed_at[(r.name, r.offset)]
+                    buffer[at : at + r.nbytes].copy_(view)
+                elif r.run:
                     dst = torch.as_strided(buffer, (r.count, r.run), (r.stride, 1), base + r.offset)
                     dst.copy_(view.view(r.count, r.run))
                 else:
@@ -264,10 +315,13 @@ class RankedPublisher:
             raise
         specs, sizes = layout(shards, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=specs, bucket_sizes=sizes, publisher=control.name,
-                                 transport="shm", probe=probe, checksum=control._checksum(), shards=shards)
+                                 transport=self.transport, probe=probe, checksum=control._checksum(), shards=shards)
         plane = control._plane()
-        buffers = [plane.allocate(i, size) for i, size in enumerate(sizes)]
-        sealed = [plane.seal(i, b) for i, b in enumerate(buffers)]
+        window = self.config.transport.depth  # zmq: buckets a rank may send ahead of rank 0's header
+        sealed: list[OutgoingBucket] = []
+        if self.transport == "shm":
+            buffers = [plane.allocate(i, size) for i, size in enumerate(sizes)]
+            sealed = [plane.seal(i, b) for i, b in enumerate(buffers)]
         self._broadcast({"t": "go", "v": version, "manifest": manifest.to_wire(), "segments": [s.segment for s in sealed]})
         per_bucket = bucket_ranges(shards, specs, len(sizes))
         by_name = {s.name: s for s in specs}
@@ -275,7 +329,12 @@ class RankedPublisher:
         def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
             mine = [r for r in per_bucket[index] if r.rank == 0]
             try:
-                own = self._write(index, buffers[index], by_name, mine, held, manifest.checksum)
+                if self.transport == "zmq":
+                    # the engines saw Begin (they granted credit): the ranks may send up to ``window`` buckets ahead
+                    self._broadcast({"t": "allow", "v": version, "b": index + window - 1})
+                    own = self._send_piece(version, index, plane, by_name, mine, held, manifest.checksum)
+                else:
+                    own = self._write(index, buffers[index], by_name, mine, held, manifest.checksum)
             except BridgeError as exc:
                 raise RankFailed(f"trainer rank 0 could not write bucket {index} of version {version}: {describe(exc)}", 0) from exc
             reports = self._collect("bucket", version, index) if self.world > 1 else {}
@@ -286,7 +345,7 @@ class RankedPublisher:
                 counts = {r: len(m["sums"]) for r, m in reports.items()}
                 raise RankFailed(f"bucket {index} of version {version}: a rank reported too few checksums ({counts})",
                                  min(counts, default=0)) from exc
-            return sealed[index], sums
+            return (sealed[index] if sealed else OutgoingBucket(index, None, ())), sums
 
         try:
             report = control._stream(manifest, plane, produce, t_start)
@@ -295,6 +354,27 @@ class RankedPublisher:
             raise
         self._broadcast({"t": "done", "v": version, "ok": True, "report": _report_to_wire(report)})
         return report
+
+    def _send_piece(self, version: int, index: int, plane: SendPlane, specs: dict[str, wire.TensorSpec],
+                    mine: list[RangeSpec], held: dict[str, tuple[LocalShard, Any]], algorithm: str) -> list[int]:
+        """zmq: pack this rank's ranges of bucket ``index`` into one buffer of ``plane``'s ring and send it to
+        every engine on this rank's own socket; their checksums (nothing is sent when the rank has no range
+        in the bucket). TransportError when an engine takes nothing within ``deadlines.bucket_s``."""
+        import zmq
+
+        if not mine:
+            return []
+        buffer = plane.allocate(index, sum(r.nbytes for r in mine))
+        sums = self._write(index, buffer, specs, mine, held, algorithm, packed=True)
+        header = wire.encode(wire.RankBucket(version=version, index=index, rank=self.rank))
+        frame = memoryview(buffer.numpy())
+        for sock, endpoint in zip(self._data, self.endpoints, strict=True):
+            try:
+                plane.sent(index, sock.send_multipart([header, frame], copy=False, track=True))
+            except zmq.Again as exc:
+                raise TransportError(f"trainer rank {self.rank}: {endpoint} took nothing of bucket {index} within "
+                                     f"{self.config.deadlines.bucket_s}s") from exc
+        return sums
 
     def _broadcast(self, msg: dict[str, Any]) -> None:
         for rank in range(1, self.world):
@@ -374,6 +454,8 @@ class RankedPublisher:
         assert manifest.shards is not None
         per_bucket = bucket_ranges(manifest.shards, manifest.tensors, len(manifest.bucket_sizes))
         by_name = {s.name: s for s in manifest.tensors}
+        if self.transport == "zmq":
+            return self._stream_rank(version, manifest, per_bucket, by_name, held)
         segments: list[Segment] = []
         try:
             for index, (name, size) in enumerate(zip(go["segments"], manifest.bucket_sizes, strict=True)):
@@ -394,6 +476,35 @@ class RankedPublisher:
         finally:
             for seg in segments:
                 seg.close()
+        done = self._await({"done"}, version, d.ack_s + d.bucket_s, f"the outcome of version {version}")
+        return _report_from_wire(done["report"])
+
+    def _stream_rank(self, version: int, manifest: wire.Manifest, per_bucket: list[list[RangeSpec]],
+                     by_name: dict[str, wire.TensorSpec], held: dict[str, tuple[LocalShard, Any]]) -> PublishReport:
+        """zmq, a rank other than 0: send each bucket's ranges to the engines once rank 0's window allows it,
+        then report their checksums; the outcome rank 0 sends."""
+        d = self.config.deadlines
+        if self._pieces is None:
+            self._pieces = send_plane("zmq", self.config)
+        plane = self._pieces
+        plane.configure(self.config.transport.depth)
+        allowed = -1
+        failed = False
+        try:
+            for index in range(len(manifest.bucket_sizes)):
+                while allowed < index:
+                    allow = self._await({"allow"}, version, d.bucket_s + d.manifest_s, f"leave to send bucket {index}")
+                    allowed = max(allowed, int(allow["b"]))
+                mine = [r for r in per_bucket[index] if r.rank == self.rank]
+                sums = self._send_piece(version, index, plane, by_name, mine, held, manifest.checksum)
+                self._channel.send({"t": "bucket", "v": version, "b": index, "sums": sums})
+        except BaseException as exc:
+            failed = True
+            if not isinstance(exc, UpdateFailed | ShardError | RankFailed):  # not rank 0's own verdict
+                self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
+            raise
+        finally:
+            plane.release(failed)
         done = self._await({"done"}, version, d.ack_s + d.bucket_s, f"the outcome of version {version}")
         return _report_from_wire(done["report"])
 

@@ -114,6 +114,22 @@ class LandPlane(ABC):
     def begin(self, identity: bytes) -> None:  # noqa: B027 - optional hook
         """An update from ``identity`` over this plane begins: raise TransportError if it cannot arrive."""
 
+    def expect(self, identity: bytes, manifest: wire.Manifest) -> None:
+        """An update from ``identity`` begins with ``manifest``; one with ``shards`` is written by many trainer
+        ranks, and a plane that cannot take their ranges refuses it here (WireError)."""
+        if manifest.shards is not None:
+            raise WireError(f"transport {self.kind} takes no updates from many trainer ranks (use shm or zmq)")
+
+    def piece(self, identity: bytes, version: int, piece: wire.RankBucket, frames: list[Any],
+              take: Callable[[int], Segment]) -> None:
+        """Trainer rank ``piece.rank``'s ranges of a bucket of ``identity``'s sharded update arrived as
+        ``frames`` (ZMQ planes only). Raises WireError naming the rank when they are not what the manifest
+        assigns it."""
+        raise WireError(f"transport {self.kind} takes no byte ranges from trainer ranks")
+
+    def drop(self, identity: bytes) -> None:  # noqa: B027 - optional hook
+        """``identity``'s update ended (refused, aborted, timed out): forget what of it is still landing."""
+
     @abstractmethod
     def land(self, identity: bytes, version: int, header: wire.BucketHeader, frames: list[Any], size: int,
              take: Callable[[int], Segment]) -> Segment | None:

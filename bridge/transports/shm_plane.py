@@ -99,6 +99,10 @@ class ShmLandPlane(LandPlane):
         self._attached = AttachCache()
         self._pruned = 0.0
 
+    def expect(self, identity: bytes, manifest: wire.Manifest) -> None:
+        """Every update lands here, one from many trainer ranks too: each rank wrote its ranges into the
+        publisher's segments (trainer_side/multi_rank.py)."""
+
     def land(self, identity: bytes, version: int, header: wire.BucketHeader, frames: list[Any], size: int,
              take: Callable[[int], Segment]) -> Segment | None:
         if not header.segment:
