@@ -295,6 +295,7 @@ class RankedPublisher:
                 else:
                     buffer[base + r.offset : base + r.offset + r.nbytes].copy_(view)
                 sums.append(0 if fn is None else int(fn(memoryview(view.numpy()))))
+            del views, view, local  # this tensor's cast is freed before the next one is made
         return sums
 
     # ---- rank 0 ----------------------------------------------------------------------------------
