@@ -547,6 +547,10 @@ class SyncReceiver:
                 elif now - session.last_ping >= deadlines.heartbeat_s:
                     session.last_ping = now
                     self._send(sock, identity, wire.Heartbeat(version=version, phase="apply"))
+            elif session.ended is not None and now - session.last_ping >= deadlines.heartbeat_s:
+                # End came while buckets still land (a rank's part, a collective receive): the publisher waits
+                session.last_ping = now
+                self._send(sock, identity, wire.Heartbeat(version=version, phase="landing"))
             elif now - session.last_seen > deadlines.bucket_s and not self._ranks_landing(session):
                 logger.warning("update v%s from %r timed out waiting for data", version, identity)
                 self._sessions.pop(identity).close()

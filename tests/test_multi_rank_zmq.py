@@ -74,9 +74,9 @@ class _Peers:
 
 @pytest.fixture
 def receiver(start_receiver: Any) -> Any:
-    def start(**deadlines: float) -> tuple[Any, FakeEngine]:
+    def start(mode: str = "staged", **deadlines: float) -> tuple[Any, FakeEngine]:
         engine = FakeEngine(keep="bytes", version=1)
-        return start_receiver(config_from_dict({"deadlines": deadlines}), engine), engine
+        return start_receiver(config_from_dict({"deadlines": deadlines, "sync": {"mode": mode}}), engine), engine
 
     return start
 
@@ -104,8 +104,12 @@ def test_ranges_of_two_ranks_land_where_they_lie_and_the_engine_gets_the_tensors
         assert got[spec.name].contiguous().view(torch.uint8).flatten().numpy().tobytes() == data[spec.offset : spec.offset + spec.nbytes]
 
 
-def test_header_before_the_ranges_waits_for_every_rank(receiver: Any) -> None:
-    rx, engine = receiver()
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_header_before_the_ranges_waits_for_every_rank(receiver: Any, mode: str) -> None:
+    """End comes before rank 1's part: the receiver waits for it (heartbeating), then applies."""
+    import time
+
+    rx, engine = receiver(mode)
     manifest, _, sums, frames = _update()
     peers = _Peers(rx.endpoint, range(2))
     try:
@@ -113,6 +117,8 @@ def test_header_before_the_ranges_waits_for_every_rank(receiver: Any) -> None:
         peers.control.send(wire.BucketHeader(version=2, index=0, checksums=tuple(sums)))
         peers.piece(0, frames[0])
         peers.control.send(wire.End(version=2))  # before rank 1's part: the receiver waits for it
+        peers.control.until(wire.Heartbeat, timeout=10)  # and tells the publisher it is alive meanwhile
+        time.sleep(0.5)
         peers.piece(1, frames[1])
         ack = peers.control.until(wire.Ack)
     finally:
@@ -130,6 +136,8 @@ def test_header_before_the_ranges_waits_for_every_rank(receiver: Any) -> None:
     ("silent", "trainer rank 1 sent nothing of bucket 0 of version 2 within 1.5s of its header"),
 ])
 def test_a_rank_that_sends_wrong_or_nothing_fails_the_update_naming_it(receiver: Any, scenario: str, words: str) -> None:
+    import time
+
     rx, engine = receiver(bucket_s=1.5)
     world = 3 if scenario == "no-range" else 2  # a third rank that holds no bytes
     manifest, _, sums, frames = _update(world)
@@ -142,6 +150,7 @@ def test_a_rank_that_sends_wrong_or_nothing_fails_the_update_naming_it(receiver:
         elif scenario == "twice":
             peers.piece(1, frames[1])
             peers.piece(1, frames[1])
+            time.sleep(0.5)  # both in before the header (another socket), else the update may finish first
         elif scenario == "short":
             peers.piece(1, frames[1][:-1])
         elif scenario == "no-range":
