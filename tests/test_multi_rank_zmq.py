@@ -50,6 +50,30 @@ def _update(world: int = 2) -> tuple[wire.Manifest, bytes, list[int], dict[int, 
     return manifest, bytes(data), sums, frames
 
 
+@pytest.mark.parametrize("ranges", [
+    (RangeSpec("t", 0, 0, 40),),
+    (RangeSpec("t", 1, 40, 56),),
+    (RangeSpec("t", 0, 0, 48, 0, 12, 24), RangeSpec("t", 1, 12, 48, 0, 12, 24)),
+    (RangeSpec("t", 2, 8, 16, 0, 4, 24), RangeSpec("t", 2, 60, 20)),
+], ids=["contiguous", "contiguous-tail", "strided-two-ranks", "strided-then-contiguous"])
+def test_scatter_lays_each_range_at_its_runs(ranges: tuple[RangeSpec, ...]) -> None:
+    """What a rank sends (each range's runs concatenated, ranges in order) lands where ``runs()`` says, and
+    nowhere else."""
+    from bridge.transports.zmq_plane import scatter
+
+    base = 16
+    want = bytearray(base + 96 + 8)
+    data = bytearray()
+    for r in ranges:
+        for start, end in r.runs():
+            chunk = bytes((start + i) % 251 + 1 for i in range(end - start))
+            want[base + start : base + end] = chunk
+            data += chunk
+    got = bytearray(len(want))
+    scatter(memoryview(got), base, ranges, bytes(data))
+    assert got == want
+
+
 class _Peers:
     """Rank 0's control socket and one data socket per rank, all to one receiver."""
 
