@@ -48,7 +48,9 @@ def start_receiver() -> Any:
 def ray_session() -> Any:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": a new cluster of this test session's own, never one another process started on this
+    # machine (ray.init() alone joins the newest one it finds, e.g. a namespace cluster's head)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield ray
     ray.shutdown()
