@@ -43,6 +43,26 @@ def adapter_tensors(seed: int, rank: int = 4, targets: tuple[str, ...] = TARGETS
     return out
 
 
+def every_linear_adapter(base: Path, seed: int, rank: int = 4) -> tuple[dict[str, Any], wire.AdapterSpec]:
+    """An adapter on every linear layer of the decoder blocks of checkpoint ``base`` (packed q/k/v and gate/up,
+    row-parallel o_proj and down_proj), with ``lora_alpha`` 3 (scaling 0.75), and its spec."""
+    import torch
+
+    from bridge.checkpoint import read_tensor_table
+    from inference_side.lora import linear_modules
+
+    gen = torch.Generator().manual_seed(seed)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    out = {}
+    for module, (rows, cols) in sorted(linear_modules(read_tensor_table(str(base))).items()):
+        if module.rsplit(".", 1)[-1] in targets:
+            out[f"base_model.model.{module}.lora_A.weight"] = (0.1 * torch.randn(rank, cols, generator=gen)).to(torch.bfloat16)
+            out[f"base_model.model.{module}.lora_B.weight"] = (0.1 * torch.randn(rows, rank, generator=gen)).to(torch.bfloat16)
+    spec = wire.AdapterSpec(NAME, {"r": rank, "lora_alpha": 3, "target_modules": list(targets), "peft_type": "LORA",
+                                   "task_type": "CAUSAL_LM", "bias": "none"})
+    return out, spec
+
+
 def adapter_spec(rank: int = 4, targets: tuple[str, ...] = TARGETS, name: str = NAME) -> wire.AdapterSpec:
     return wire.AdapterSpec(name, {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
                                    "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none"})
@@ -189,10 +209,13 @@ def test_corrupted_lora_weights_fail_the_readback_and_the_previous_version_serve
     version = ray.get(actor.adapter_version.remote(NAME))
     before = gen(actor, NAME)
     ray.get(actor.collective_rpc.remote("wb_arm_lora_corruption"))
+    tensors, spec = every_linear_adapter(lora_engine["base"], 21)  # every layer kind, sharded at TP 2
     with pytest.raises(UpdateFailed) as info:
-        publish(endpoint, adapter_tensors(21), version + 1)
+        publish(endpoint, tensors, version + 1, spec)
     reason = info.value.reasons[endpoint]
-    assert "LoRA read-back on TP rank 0" in reason and "values differ from the trainer's" in reason, reason
+    # exactly the one value flipped on each rank: every other module of every layer kind read back as sent
+    assert "LoRA read-back on TP rank 0: 1 mismatch(es)" in reason and "1 of" in reason, reason
+    assert "values differ from the trainer's" in reason, reason
     assert f"(version {version} serves on)" in reason
     assert info.value.kinds[endpoint].value == "stale"
     assert ray.get(actor.adapter_version.remote(NAME)) == version
