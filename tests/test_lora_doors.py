@@ -98,7 +98,8 @@ def streaming(ray_session: Any, oracle: Any) -> Any:
     from inference_side import InferenceActor
 
     actor = InferenceActor.remote(model=str(oracle["base"]), tensor_parallel_size=1, dtype="bfloat16",
-                                  config={"sync": {"mode": "streaming"}}, enable_lora=True, max_lora_rank=MAX_RANK,
+                                  config={"sync": {"mode": "streaming"}, "deadlines": {"bucket_s": 600.0}},
+                                  enable_lora=True, max_lora_rank=MAX_RANK,
                                   max_loras=2)
     endpoint = ray_session.get(actor.endpoint.remote(), timeout=900)
     yield {"actor": actor, "endpoint": endpoint}
@@ -143,7 +144,8 @@ def test_streaming_adapter_versions_match_the_oracle(streaming: Any, oracle: Any
 
 def test_streaming_adapter_update_is_atomic(streaming: Any, oracle: Any) -> None:
     """Mid-stream (the first bucket loaded, the second not sent) requests run on the served version, exactly; a
-    version whose last bucket fails its checksum never serves; a whole one serves once verified."""
+    version whose last bucket fails its checksum never serves; a whole one serves once verified. (The raw publisher
+    sends no heartbeats: the engine waits up to ``deadlines.bucket_s`` for the second bucket, long for a loaded box.)"""
     import ray
 
     actor, endpoint = streaming["actor"], streaming["endpoint"]
@@ -161,6 +163,7 @@ def test_streaming_adapter_update_is_atomic(streaming: Any, oracle: Any) -> None
             assert all(o["adapter_version"] == served for o in middle)
             assert_same_outputs(middle, oracle["want"][2])
             client.send(*buckets[1])
+            client.send(wire.End(version=version))
             ack: wire.Ack = client.until(wire.Ack, timeout=300)
         finally:
             client.close()
