@@ -5,7 +5,8 @@
 ``abort`` become the same steps on every TP worker, taken by the ``weight_bridge`` backend that ``vllm serve``
 uses (``wb_step`` → inference_side/vllm_backend.py ``run_step``) inside vLLM's weight-update session: ``start_weight_update``
 before the first, ``finish_weight_update(version)`` once applied, so vLLM labels its outputs with the version.
-No request runs while an update is open: generation waits (at most ``deadlines.ack_s``) until the update finished or was aborted.
+No request runs while a base update is open: generation waits (at most ``deadlines.ack_s``) until the update finished or
+was aborted. A LoRA adapter update holds nothing back until its ``finish``: requests keep the adapter version served.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -31,6 +32,7 @@ from bridge.vllm_plugin import BACKEND
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.ledger import Ledger, sync_record
 from inference_side.lora import ServedAdapter, bucket_tensors, validate_adapter, write_peft_dir
+from inference_side.lora_audit import pack_tensors, readback_rank, readback_summary
 from inference_side.receiver import SyncReceiver
 from inference_side.validate import validate_manifest
 
@@ -362,8 +364,12 @@ class InferenceServer(EngineGate):
         assert adapter is not None and update.adapter is not None
         t0 = time.perf_counter()
 
-        def done(ok: bool, reason: str = "", kind: FailureKind | None = None) -> ApplyResult:
-            return self._record(manifest, ok, reason, {"apply": time.perf_counter() - t0}, timings, [], kind=kind)
+        def done(ok: bool, reason: str = "", kind: FailureKind | None = None, ranks: list[RankReport] | None = None,
+                 extra: dict[str, Any] | None = None) -> ApplyResult:
+            result = self._record(manifest, ok, reason, {"apply": time.perf_counter() - t0}, timings, ranks or [], kind=kind)
+            if extra:
+                result = replace(result, report={**result.report, **extra})
+            return result
 
         if update.failure is not None:
             return done(False, update.failure[1], update.failure[0])
@@ -375,17 +381,35 @@ class InferenceServer(EngineGate):
         self._lora_ids += 1
         path = self._lora_dir / f"{adapter.name}-v{manifest.version}-id{self._lora_ids}"
         new = ServedAdapter(adapter.name, manifest.version, self._lora_ids, str(path), adapter.rank, adapter.target_modules)
+        old = self._adapters.get(adapter.name)
+        keeps = f"version {old.version} serves on" if old else "no version of it is served"
+        audit = self.config.router.audit
         try:
             write_peft_dir(path, adapter.config, update.adapter)
+            if audit:
+                self.llm.collective_rpc("wb_lora_snapshot")
             if not self.llm.llm_engine.add_lora(self._lora_request(new)):
                 raise ManifestError("vLLM did not register it")
         except Exception as exc:  # noqa: BLE001 - vLLM's own refusal, named; the previous version serves on
             shutil.rmtree(path, ignore_errors=True)
-            old = self._adapters.get(adapter.name)
-            keeps = f"version {old.version} serves on" if old else "no version of it is served"
             return done(False, f"adapter {adapter.name} version {manifest.version} could not be loaded by "
                         f"vLLM: {type(exc).__name__}: {exc} ({keeps})", FailureKind.LOAD)
-        old = self._adapters.get(adapter.name)
+        if audit:
+            readback = self.llm.collective_rpc("wb_lora_readback", args=(new.lora_id, pack_tensors(update.adapter),
+                                                                                dict(adapter.config)))
+            ranks = [readback_rank(r) for r in readback]
+            extra = {"lora_readback": readback_summary(readback)}
+            failed = first_failure(ranks)
+            if failed is not None:
+                try:
+                    self.llm.llm_engine.remove_lora(new.lora_id)
+                except Exception as exc:  # noqa: BLE001 - the id is not served under the adapter's name anyway
+                    logger.warning("%s: removing LoRA id %s after a failed read-back failed: %s", self.name, new.lora_id, exc)
+                shutil.rmtree(path, ignore_errors=True)
+                return done(False, f"adapter {adapter.name} version {manifest.version}: {failed[1]} ({keeps})", failed[0],
+                            ranks, extra)
+        else:
+            ranks, extra = [], {}
         self._adapters[adapter.name] = new
         if old is not None:
             try:
@@ -393,7 +417,7 @@ class InferenceServer(EngineGate):
             except Exception as exc:  # noqa: BLE001 - the new version serves; the old id only lingers
                 logger.warning("%s: removing LoRA id %s (%s v%s) failed: %s", self.name, old.lora_id, old.name, old.version, exc)
             shutil.rmtree(old.path, ignore_errors=True)
-        return done(True)
+        return done(True, ranks=ranks, extra=extra)
 
     # ---- one update: internals -----------------------------------------------------------------
     def _rpc(self, method: str, *args: Any) -> list[RankReport]:
@@ -461,10 +485,12 @@ class InferenceServer(EngineGate):
 
     @contextmanager
     def _serving(self) -> Iterator[None]:
-        """Hold the engine for a request, once no update is open (waits at most ``deadlines.ack_s``)."""
+        """Hold the engine for a request, once no base update is open (waits at most ``deadlines.ack_s``). An open
+        adapter update does not hold requests back: nothing of it reaches vLLM before its ``finish`` (which holds the
+        engine while it registers and reads back the new version), so they run on the versions served."""
         with self._engine:
             limit = self.config.deadlines.ack_s
-            if not self._engine.wait_for(lambda: self._update is None, timeout=limit):
+            if not self._engine.wait_for(lambda: self._update is None or self._update.adapter is not None, timeout=limit):
                 raise DeadlineExceeded(f"engine {self.name}: an update stayed open for over {limit}s (deadlines.ack_s)")
             yield
 

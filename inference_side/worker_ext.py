@@ -249,6 +249,50 @@ class WeightSyncWorker:
                 finally:
                     _BUSY.release()
 
+    # ---- LoRA adapters: read-back of a registered version (inference_side/lora_audit.py) ---------------
+    _wb_lora_base: Any = None
+
+    def _wb_lora_manager(self) -> Any:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+        if manager is None:
+            raise BridgeError("this worker has no LoRA manager (the engine was started without enable_lora)")
+        return manager
+
+    def wb_lora_snapshot(self) -> int:
+        """Take the base weights' fingerprint (storage and checksum of every parameter and buffer) that the next
+        ``wb_lora_readback`` compares against; returns how many tensors it covers."""
+        from inference_side.lora_audit import fingerprint
+
+        self._wb_lora_base = fingerprint(self._wb_model())
+        return len(self._wb_lora_base)
+
+    def wb_lora_readback(self, lora_id: int, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        """This rank's LoRA weights for ``lora_id`` against the adapter's verified ``tensors`` (``lora_audit.pack_tensors``)
+        and PEFT ``config``,
+        and the base weights against the last ``wb_lora_snapshot``: the report of ``lora_audit.read_back`` plus
+        ``base_tensors`` (how many were compared) and ``base_moved`` (those that changed). Never raises: a failure
+        to read is a mismatch."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from inference_side.lora_audit import base_moved, fingerprint, read_back, unpack_tensors
+
+        rank = get_tensor_model_parallel_rank()
+        try:
+            report = read_back(self._wb_lora_manager(), lora_id, unpack_tensors(tensors), config, rank)
+        except Exception as exc:  # noqa: BLE001 - reported: the engine could not show the weights are the trainer's
+            report = {"rank": rank, "lora_id": lora_id, "slot": None, "modules": 0, "slices": 0, "bytes": 0,
+                      "mismatches": [f"reading the LoRA weights back failed: {type(exc).__name__}: {exc}"],
+                      "mismatch_count": 1}
+        before, self._wb_lora_base = self._wb_lora_base, None
+        if before is None:
+            report["base_tensors"], report["base_moved"] = 0, ["no snapshot of the base weights was taken"]
+        else:
+            moved = base_moved(before, fingerprint(self._wb_model()))
+            report["base_tensors"], report["base_moved"] = len(before), moved[:8]
+            report["base_moved_count"] = len(moved)
+        return report
+
     # ---- inspection (tests, health) -------------------------------------------------------------
     def wb_read(self, paths: list[str]) -> dict[str, list[float]]:
         """This rank's live values of the given parameters (vLLM names), as floats."""

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bridge import wire
+from tests.fault_worker import FAULT_WORKER
 from tests.helpers import PROMPTS, assert_same_outputs, child_env
 from tests.rawclient import RawClient
 
@@ -40,6 +41,26 @@ def adapter_tensors(seed: int, rank: int = 4, targets: tuple[str, ...] = TARGETS
     if poison:
         out[poison] = torch.full_like(out[poison], float("nan"))
     return out
+
+
+def every_linear_adapter(base: Path, seed: int, rank: int = 4) -> tuple[dict[str, Any], wire.AdapterSpec]:
+    """An adapter on every linear layer of the decoder blocks of checkpoint ``base`` (packed q/k/v and gate/up,
+    row-parallel o_proj and down_proj), with ``lora_alpha`` 3 (scaling 0.75), and its spec."""
+    import torch
+
+    from bridge.checkpoint import read_tensor_table
+    from inference_side.lora import linear_modules
+
+    gen = torch.Generator().manual_seed(seed)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    out = {}
+    for module, (rows, cols) in sorted(linear_modules(read_tensor_table(str(base))).items()):
+        if module.rsplit(".", 1)[-1] in targets:
+            out[f"base_model.model.{module}.lora_A.weight"] = (0.1 * torch.randn(rank, cols, generator=gen)).to(torch.bfloat16)
+            out[f"base_model.model.{module}.lora_B.weight"] = (0.1 * torch.randn(rows, rank, generator=gen)).to(torch.bfloat16)
+    spec = wire.AdapterSpec(NAME, {"r": rank, "lora_alpha": 3, "target_modules": list(targets), "peft_type": "LORA",
+                                   "task_type": "CAUSAL_LM", "bias": "none"})
+    return out, spec
 
 
 def adapter_spec(rank: int = 4, targets: tuple[str, ...] = TARGETS, name: str = NAME) -> wire.AdapterSpec:
@@ -97,7 +118,7 @@ def lora_engine(request: Any, ray_session: Any, checkpoints: Any, tmp_path_facto
 
     base = checkpoints("tiny", 1)
     actor = InferenceActor.remote(model=str(base), tensor_parallel_size=request.param, dtype="bfloat16",
-                                  enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2)
+                                  enable_lora=True, max_lora_rank=MAX_RANK, max_loras=2, worker_extension_cls=FAULT_WORKER)
     endpoint = ray_session.get(actor.endpoint.remote(), timeout=900)
     yield {"actor": actor, "endpoint": endpoint, "base": base, "tp": request.param,
            "dir": tmp_path_factory.mktemp(f"adapters-tp{request.param}")}
@@ -120,13 +141,14 @@ def served(lora_engine: Any) -> Any:
     cold = cold_lora_outputs(str(lora_engine["base"]), [str(d) for d in dirs], lora_engine["tp"], "bfloat16", PROMPTS,
                              max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
     base_before = gen(actor)
-    got = {}
+    got, reports = {}, {}
     for version, tensors, transport in ((1, v1, "zmq"), (2, v2, "shm")):
         report = publish(endpoint, tensors, version, spec, transport)
         assert report.ok and all(e.ok for e in report.engines), report
         assert ray.get(actor.adapter_version.remote(NAME)) == version
-        got[version] = gen(actor, NAME)
-    return {"cold": cold, "dirs": dirs, "got": got, "base_before": base_before, "v2": v2, "spec": spec}
+        got[version], reports[version] = gen(actor, NAME), report.engines[0].engine
+    return {"cold": cold, "dirs": dirs, "got": got, "base_before": base_before, "v2": v2, "spec": spec,
+            "reports": reports}
 
 
 def test_adapter_versions_match_vllm_loading_the_peft_directory(lora_engine: Any, served: Any) -> None:
@@ -155,6 +177,51 @@ def test_status_and_records_show_the_adapter(lora_engine: Any, served: Any) -> N
     assert status["adapters"][NAME]["version"] == 2 and status["adapters"][NAME]["rank"] == 4
     records = [r for r in ray.get(lora_engine["actor"].records.remote()) if r["adapter"] == NAME and r["ok"]]
     assert [(r["version"], r["transport"]) for r in records][:2] == [(1, "zmq"), (2, "shm")]
+
+
+def test_engine_reads_back_the_trainers_lora_weights(lora_engine: Any, served: Any) -> None:
+    """After each adapter version was registered, every TP worker read its own LoRA weights for that version's
+    slot back and found the trainer's (A, and B scaled by alpha / r, sliced into the packed qkv_proj and sharded
+    per TP rank, bit for bit; k_proj and the untargeted layers zero), and no base weight moved."""
+    tp = lora_engine["tp"]
+    for version in (1, 2):
+        report = served["reports"][version]
+        readback = report["lora_readback"]
+        assert readback["ok"] is True and len(readback["ranks"]) == tp, readback
+        for rank, got in enumerate(readback["ranks"]):
+            assert got["rank"] == rank and got["mismatches"] == [] and got["base_moved"] == [], got
+            assert got["modules"] == LAYERS * len(TARGETS)  # every PEFT module the adapter carries
+            assert got["slices"] > got["modules"]  # the slices it leaves out were read too (zero)
+            assert got["bytes"] > 0 and got["base_tensors"] > 0 and got["slot"] is not None
+        assert report["tensors_audited"] == tp * 2 * LAYERS * len(TARGETS)
+        assert [r["rank"] for r in report["ranks"]] == list(range(tp)) and all(r["ok"] for r in report["ranks"])
+
+
+def test_corrupted_lora_weights_fail_the_readback_and_the_previous_version_serves(lora_engine: Any, served: Any) -> None:
+    """One value of the new version's B flipped in the engine's own LoRA weights (the test worker's hook, on every
+    rank, after vLLM registered it): the read-back finds it, the update fails with kind ``stale`` naming the module,
+    and the previous version keeps serving exactly as before."""
+    import ray
+
+    from bridge.errors import UpdateFailed
+
+    actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
+    version = ray.get(actor.adapter_version.remote(NAME))
+    before = gen(actor, NAME)
+    ray.get(actor.collective_rpc.remote("wb_arm_lora_corruption"))
+    tensors, spec = every_linear_adapter(lora_engine["base"], 21)  # every layer kind, sharded at TP 2
+    with pytest.raises(UpdateFailed) as info:
+        publish(endpoint, tensors, version + 1, spec)
+    reason = info.value.reasons[endpoint]
+    # exactly the one value flipped on each rank: every other module of every layer kind read back as sent
+    assert "LoRA read-back on TP rank 0: 1 mismatch(es)" in reason and "1 of" in reason, reason
+    assert "values differ from the trainer's" in reason, reason
+    assert f"(version {version} serves on)" in reason
+    assert info.value.kinds[endpoint].value == "stale"
+    assert ray.get(actor.adapter_version.remote(NAME)) == version
+    assert gen(actor, NAME) == before
+    record = ray.get(actor.records.remote())[-1]
+    assert (record["ok"], record["kind"], record["adapter"]) == (False, "stale", NAME) and record["stale_tensors"]
 
 
 def _one_tp(lora_engine: Any) -> None:

@@ -181,3 +181,73 @@ def test_the_adapter_route_serves_only_a_verified_newer_version(marker: Any, ver
     else:
         with pytest.raises(error, match=expected):
             check_activation(marker, "/d", "math", version, served)
+
+
+# ---- the read-back's own transforms (inference_side/lora_audit.py), checked by hand ------------------------
+
+@pytest.mark.parametrize(("config", "want"), [({"r": 4, "lora_alpha": 8}, 2.0), ({"r": 4}, 2.0),
+                                              ({"r": 16, "lora_alpha": 8, "use_rslora": True}, 2.0),
+                                              ({"r": 8, "lora_alpha": 8}, 1.0)])
+def test_adapter_scaling_is_peft_s(config: dict[str, Any], want: float) -> None:
+    from inference_side.lora_audit import adapter_scaling
+
+    assert adapter_scaling(config) == want
+
+
+@pytest.mark.parametrize(("kind", "tp_rank", "in_part", "out_part", "shard_id", "a_cols", "b_rows"), [
+    ("replicated", 0, 6, 8, 0, (0, 6), (0, 8)),
+    ("column", 0, 6, 4, 0, (0, 6), (0, 4)),
+    ("column", 1, 6, 4, 1, (0, 6), (4, 8)),
+    ("column", 1, 6, 2, 0, (0, 6), (0, 2)),  # a KV slice whose heads rank 1 shares with rank 0
+    ("row", 1, 3, 8, 1, (3, 6), (0, 8)),
+])
+def test_shard_takes_this_ranks_part(kind: str, tp_rank: int, in_part: int, out_part: int, shard_id: int,
+                                     a_cols: tuple[int, int], b_rows: tuple[int, int]) -> None:
+    import torch
+
+    from inference_side.lora_audit import shard
+
+    a, b = torch.arange(2 * 6).reshape(2, 6), torch.arange(8 * 2).reshape(8, 2)
+    got_a, got_b = shard(kind, a, b, tp_rank, in_part, out_part, shard_id)
+    assert torch.equal(got_a, a[:, a_cols[0]:a_cols[1]]) and torch.equal(got_b, b[b_rows[0]:b_rows[1]])
+    with pytest.raises(ValueError, match="no LoRA layer kind 'moe'"):
+        shard("moe", a, b, 0, 1, 1, 0)
+
+
+def test_packed_tensors_round_trip_bit_for_bit() -> None:
+    import torch
+
+    from inference_side.lora_audit import pack_tensors, unpack_tensors
+
+    tensors = {"x": torch.randn(3, 5).to(torch.bfloat16), "y": torch.tensor([[float("nan"), -0.0]])}
+    back = unpack_tensors(pack_tensors(tensors))
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_base_moved_names_storage_and_checksum_changes() -> None:
+    import torch
+
+    from inference_side.lora_audit import base_moved, fingerprint
+
+    model = torch.nn.Linear(4, 3)
+    before = fingerprint(model)
+    assert base_moved(before, fingerprint(model)) == []
+    with torch.no_grad():
+        model.bias[0] += 1
+    assert [m.split(":")[1] for m in base_moved(before, fingerprint(model))] == ["bias"]
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())
+    moved = base_moved(before, fingerprint(model))
+    assert any(m.startswith("param:weight: storage") for m in moved)
+
+
+def test_readback_rank_kinds() -> None:
+    from bridge.report import FailureKind
+    from inference_side.lora_audit import readback_rank
+
+    ok = readback_rank({"rank": 1, "modules": 4, "mismatches": [], "base_moved": [], "seconds": 0.1})
+    assert ok.ok and ok.tensors == 8 and ok.rank == 1
+    stale = readback_rank({"rank": 0, "modules": 4, "mismatches": ["m.lora_B: 1 of 8 values differ"], "mismatch_count": 3})
+    assert (stale.ok, stale.kind) == (False, FailureKind.STALE) and "3 mismatch(es)" in stale.error
+    moved = readback_rank({"rank": 0, "modules": 4, "mismatches": [], "base_moved": ["param:w: checksum 1 -> 2"]})
+    assert (moved.ok, moved.kind) == (False, FailureKind.IDENTITY) and "param:w" in moved.error
