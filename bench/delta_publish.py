@@ -2,7 +2,7 @@
 to receivers in this process with a ``FakeEngine`` behind each (the receiver's verification, rebuild and base
 copy run; the engine itself does nothing), over ``--transport`` (zmq).
 
-    PYTHONPATH=$PWD python -m bench.delta_publish [--preset 50m] [--repeats 5] [--transport zmq]
+    PYTHONPATH=$PWD python -m bench.delta_publish [--preset 50m] [--repeats 5] [--transport zmq] [--bucket-mb 64]
 
 Two series: random versions (every element new: all go dense) and versions that change 1% of the elements
 (an optimizer-like step). In each, every version is published by a publisher with ``sync.delta`` false and
@@ -83,15 +83,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transport", default="zmq")
     parser.add_argument("--port", type=int, default=0, help="the two receivers' ports: this one and the next (0: any)")
+    parser.add_argument("--bucket-mb", type=float, default=BridgeConfig().transport.bucket_mb)
     args = parser.parse_args(argv)
 
-    config = BridgeConfig().replace(serve={"sweep_vllm_shm": False})
+    config = BridgeConfig().replace(serve={"sweep_vllm_shm": False}, transport={"bucket_mb": args.bucket_mb})
     receivers = [SyncReceiver(FakeEngine(), config, port=args.port + i if args.port else 0) for i in range(2)]
     endpoints = [rx.start() for rx in receivers]
     try:
         random = versions(args.preset, args.repeats, None)
         total = sum(t.numel() * t.element_size() for t in random[0].values())
-        print(json.dumps({"preset": args.preset, "bytes": total, "transport": args.transport}), flush=True)
+        print(json.dumps({"preset": args.preset, "bytes": total, "transport": args.transport, "bucket_mb": args.bucket_mb}), flush=True)
         print(json.dumps({"series": "random (all dense)", **pair(endpoints, config, args.transport, random, 1)}), flush=True)
         del random
         stepped = versions(args.preset, args.repeats, 0.01)

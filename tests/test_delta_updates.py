@@ -4,6 +4,7 @@ it). The real engine: tests/test_delta_sync.py."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -459,3 +460,48 @@ def test_records_carry_wire_bytes_and_density_per_group(start_receiver: Any, mod
     assert second.groups == report.delta["groups"] and set(second.groups) == {"mlp", "norm"}
     assert 0.009 <= second.groups["mlp"]["density"] <= 0.011 and second.groups["norm"]["density"] == 0.0
     assert second.groups["norm"]["wire_bytes"] == 0 and second.groups["mlp"]["wire_bytes"] < 0.05 * second.groups["mlp"]["dense_bytes"]
+
+
+def test_a_delta_publish_is_pipelined_bucket_by_bucket(start_receiver: Any) -> None:
+    """When the engine loads bucket 0 of a delta (streaming), the publisher has packed only the buckets the
+    engine's credits let it send, not the whole version: each bucket is packed, encoded and sent in turn.
+    Packing reads each tensor through ``detach`` (trainer_side.packing.materialize), last: a tensor counts as
+    packed once its last ``detach`` of the publish is done."""
+    import torch
+
+    from trainer_side import WeightPublisher
+
+    detached: dict[str, list[float]] = {}
+
+    class Counted(torch.Tensor):
+        def detach(self) -> Any:  # type: ignore[override]
+            detached.setdefault(self.label, []).append(time.monotonic())  # type: ignore[attr-defined]
+            return torch.Tensor.detach(self).as_subclass(torch.Tensor)
+
+    def counted(weights: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, tensor in weights.items():
+            out[name] = tensor.as_subclass(Counted)
+            out[name].label = name
+        return out
+
+    first_load: list[float] = []
+
+    def on_load(manifest: wire.Manifest, bucket: Any) -> None:
+        if manifest.version == 2 and bucket.index == 0:
+            time.sleep(0.3)  # the publisher meanwhile packs what its credits allow, and no more
+            first_load.append(time.monotonic())
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {f"model.layers.{i}.mlp.down_proj.weight": (0.02 * torch.randn(64, 256, generator=gen)).bfloat16() for i in range(12)}
+    rx = start_receiver(_config(mode="streaming"), FakeEngine(keep="bytes", on_load=on_load))
+    with WeightPublisher([rx.endpoint], config=_config()) as publisher:  # one tensor per bucket, depth 2
+        publisher.publish(weights, version=1)
+        _step(weights, seed=1)
+        detached.clear()
+        report = publisher.publish(counted(weights), version=2)
+    assert report.ok and report.delta["mode"] == "delta" and report.delta["dense_buckets"] == 0, report.delta
+    assert len(detached) == 12 and first_load, detached
+    packed_before = sum(1 for times in detached.values() if times[-1] < first_load[0])
+    assert packed_before <= 4, f"{packed_before} of 12 buckets were packed before the engine loaded bucket 0"
+    assert rx.gate.received[2].keys() == weights.keys()
