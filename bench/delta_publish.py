@@ -7,8 +7,9 @@ copy run; the engine itself does nothing), over ``--transport`` (zmq).
 Two series: random versions (every element new: all go dense) and versions that change 1% of the elements
 (an optimizer-like step). In each, every version is published by a publisher with ``sync.delta`` false and
 one with it true, in turn (two receivers), so both meet the same load on a shared machine; the median of
-``--repeats`` publishes after one to set the base, and the median of the per-version ratios on / off. Prints
-one JSON line per series.
+``--repeats`` publishes after one to set the base, and the median of the per-version ratios on / off; also
+the CPU seconds of each publish (this process: the publisher and the receiver's threads), which the load of
+a shared machine moves less than wall seconds. Prints one JSON line per series.
 """
 
 from __future__ import annotations
@@ -45,20 +46,21 @@ def pair(endpoints: list[str], config: Any, transport: str, weights: list[dict[s
     first receiver and true to the second, so both see the same load; the first version of each sets the base."""
     from trainer_side import WeightPublisher
 
-    runs: dict[bool, dict[str, list[Any]]] = {d: {"seconds": [], "modes": [], "ratio": [], "encode": []} for d in (False, True)}
+    runs: dict[bool, dict[str, list[Any]]] = {d: {"seconds": [], "cpu": [], "modes": [], "ratio": [], "encode": []} for d in (False, True)}
     base_bytes = 0
     with WeightPublisher([endpoints[0]], config=config.replace(sync={"delta": False}), transport=transport) as off, \
             WeightPublisher([endpoints[1]], config=config.replace(sync={"delta": True}), transport=transport) as on:
         for i, named in enumerate(weights):
             for delta in ((False, True) if i % 2 else (True, False)):
                 publisher = on if delta else off
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 report = publisher.publish(named, version=first_version + i)
-                elapsed = time.perf_counter() - t0
+                elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if i == 0:
                     continue  # sets the base (and warms the buffers)
                 run = runs[delta]
                 run["seconds"].append(elapsed)
+                run["cpu"].append(cpu)
                 run["modes"].append(report.delta.get("mode", "off"))
                 run["ratio"].append(report.delta.get("ratio", 1.0))
                 run["encode"].append(round(report.seconds.get("encode", 0.0), 4))
@@ -67,6 +69,7 @@ def pair(endpoints: list[str], config: Any, transport: str, weights: list[dict[s
     for delta, run in runs.items():
         key = "on" if delta else "off"
         out[key] = {"median_s": round(statistics.median(run["seconds"]), 4), "seconds": [round(x, 4) for x in run["seconds"]],
+                    "median_cpu_s": round(statistics.median(run["cpu"]), 4),
                     "modes": run["modes"], "wire_ratio": run["ratio"], "encode_s": run["encode"]}
     out["on_over_off"] = round(statistics.median(b / a for a, b in zip(runs[False]["seconds"], runs[True]["seconds"], strict=True)), 3)
     out["base_bytes"] = base_bytes
