@@ -203,6 +203,28 @@ def test_publisher_goes_dense_and_says_why(case: str, words: str) -> None:
     assert words in reason, reason
 
 
+def test_the_estimate_reads_any_tensor_shape_and_dtype() -> None:
+    """The up-front sample of ``plan_update`` on tensors of one element, 0-d, empty, strided (a transposed
+    view) and in float32 cast to the wire's bfloat16 as packing casts it: no change estimated on the same
+    weights, every element changed on new ones."""
+    import torch
+
+    from trainer_side.delta_publish import plan_update
+
+    def weights(seed: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(seed)
+        return {"model.layers.0.self_attn.sinks": torch.randn(8, generator=gen),
+                "model.layers.0.step": torch.tensor(seed, dtype=torch.int64),
+                "model.layers.0.empty": torch.zeros(0),
+                "model.layers.0.mlp.up_proj.weight": torch.randn(256, 64, generator=gen).t(),
+                "model.norm.weight": torch.randn(1, generator=gen)}
+
+    base, snap, plan, tensors = _snapshots(weights(1), weights(1))
+    assert plan_update(base, snap.manifest, plan, tensors) == ""
+    base, snap, plan, tensors = _snapshots(weights(1), weights(2))
+    assert "of the elements changed" in plan_update(base, snap.manifest, plan, tensors)
+
+
 @pytest.mark.parametrize("case", ["new-weights", "not-paying"])
 def test_a_bucket_goes_whole_when_its_patches_do_not_pay(case: str) -> None:
     """The estimate said delta, but this bucket changed more than it said: it goes whole (``encode_bucket`` None)."""

@@ -133,7 +133,9 @@ def plan_update(base: Snapshot | None, manifest: wire.Manifest, plan: PackPlan, 
         if hasattr(tensor, "full_tensor") or spec.nbytes == 0:
             continue
         width = wire.DTYPE_SIZES[spec.dtype]
-        sample = tensor.detach().reshape(-1)[::SAMPLE_STRIDE].to(getattr(torch, spec.dtype)).cpu().contiguous()
+        strided = tensor.detach().reshape(-1)[::SAMPLE_STRIDE]
+        sample = torch.empty(strided.numel(), dtype=getattr(torch, spec.dtype))  # stride 1, on the host
+        sample.copy_(strided)  # cast as packing casts
         new_bits = sample.view(torch.uint8).numpy().view(f"<u{width}")
         old_bits = base.tensor(spec).view(f"<u{width}")[::SAMPLE_STRIDE]
         changed += int((old_bits != new_bits).sum())
