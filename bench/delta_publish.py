@@ -1,6 +1,6 @@
-"""Publish seconds with delta updates on and off (docs/delta.md): a 50m-size model (tiny Qwen2 preset) published
-to receivers in this process with a ``FakeEngine`` behind each (the receiver's verification, rebuild and base
-copy run; the engine itself does nothing), over ``--transport`` (zmq).
+"""Publish seconds with delta updates on and off (docs/delta.md): a 50m-size model (tiny Qwen2 preset)
+published to receivers in this process with a ``bench.run.NullGate`` behind each (the receiver's
+verification, rebuild and base copy run; nothing is applied), over ``--transport`` (zmq).
 
     PYTHONPATH=$PWD python -m bench.delta_publish [--preset 50m] [--repeats 5] [--transport zmq] [--bucket-mb 64]
 
@@ -77,9 +77,9 @@ def pair(endpoints: list[str], config: Any, transport: str, weights: list[dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.run import NullGate
     from bridge.config import BridgeConfig
     from inference_side.receiver import SyncReceiver
-    from tests.fakes import FakeEngine  # a measurement script: the engine contract kept, nothing loaded
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="50m")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     config = BridgeConfig().replace(serve={"sweep_vllm_shm": False}, transport={"bucket_mb": args.bucket_mb})
-    receivers = [SyncReceiver(FakeEngine(), config, port=args.port + i if args.port else 0) for i in range(2)]
+    receivers = [SyncReceiver(NullGate(), config, port=args.port + i if args.port else 0) for i in range(2)]
     endpoints = [rx.start() for rx in receivers]
     try:
         random = versions(args.preset, args.repeats, None)
