@@ -27,6 +27,7 @@ from prometheus_client import (
 from bridge.config import BridgeConfig, ProbeConfig, ServeConfig
 from bridge.records import PHASES, SyncRecord
 from bridge.report import FailureKind, parse_kind
+from bridge.tensor_groups import GROUPS
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,19 @@ def wire_and_dense(record: SyncRecord) -> tuple[int, int]:
     """Bytes on the wire and dense bytes of a sync; a record without them (a dense update, or one written
     before records had them) carried its full bytes."""
     return record.wire_bytes or record.bytes, record.dense_bytes or record.bytes
+
+
+def group_figures(record: SyncRecord) -> dict[str, dict[str, float]]:
+    """Tensor group -> {wire_bytes, dense_bytes, density} of a sync's record, keeping only the known groups
+    (bounded label values: a record comes from an engine over the wire) and numeric figures."""
+    out: dict[str, dict[str, float]] = {}
+    for group, figures in (record.groups or {}).items():
+        if group not in GROUPS or not isinstance(figures, dict):
+            continue
+        values = {k: figures.get(k) for k in ("wire_bytes", "dense_bytes", "density")}
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values.values()):
+            out[group] = {k: float(v) for k, v in values.items()}  # type: ignore[arg-type]
+    return out
 
 
 def _clip(text: str, limit: int = MAX_ALERT_CHARS) -> str:
@@ -137,7 +151,10 @@ class MetricsHub:
                                 ["engine"], registry=r)
         self.delta_density = Gauge("weight_bridge_sync_delta_density",
                                    "Share of elements that changed in the tensors the latest successful sync sent as "
-                                   "patches (0: a dense update).", ["engine"], registry=r)
+                                   "patches (0: a dense update), over all of them (group \"all\") and per tensor group "
+                                   "(embed, attn, mlp, experts, router, norm, sinks, lm_head, other).",
+                                   ["engine", "group"], registry=r)
+        self._groups: dict[str, set[str]] = {}  # engine -> tensor groups its density gauge has shown
         self.stale = Gauge("weight_bridge_stale_tensors", "Stale tensors found by the audit of the latest sync.",
                            ["engine"], registry=r)
         self.identity = Gauge("weight_bridge_identity_violations",
@@ -171,7 +188,12 @@ class MetricsHub:
                 wire, dense = wire_and_dense(record)
                 self.wire_bytes.labels(name).inc(wire)
                 self.wire_ratio.labels(name).set(wire / dense if dense else 1.0)
-                self.delta_density.labels(name).set(record.density if record.delta_base else 0.0)
+                self.delta_density.labels(name, "all").set(record.density if record.delta_base else 0.0)
+                densities = {g: f["density"] for g, f in group_figures(record).items()} if record.delta_base else {}
+                shown = self._groups.setdefault(name, set())
+                shown.update(densities)
+                for group in shown:  # a group the latest sync did not patch shows 0
+                    self.delta_density.labels(name, group).set(densities.get(group, 0.0))
             self.stale.labels(name).set(len(record.stale_tensors))
             self.identity.labels(name).set(len(record.identity_violations))
             if record.probe_mean_abs_logprob_diff is not None:
@@ -257,7 +279,7 @@ class MetricsHub:
             "identity_violations": len(rec.identity_violations),
             "probe_mean_abs_logprob_diff": rec.probe_mean_abs_logprob_diff, "probe_flagged": rec.probe_flagged,
             "delta_base": rec.delta_base, "wire_bytes": wire, "dense_bytes": dense,
-            "density": rec.density,
+            "density": rec.density, "groups": group_figures(rec) if rec.delta_base else {},
         }
         return {
             "engine": engine.name, "version": engine.version, "lag": self._trainer_version - engine.version,

@@ -88,7 +88,7 @@ class SyncConfig:
     # after loading began then restores it instead of leaving the engine degraded
     host_copy: bool = False
     # delta updates (docs/delta.md): a publisher keeps the tensors it last published (one model of host RAM in
-    # the wire dtype, two while it publishes) and sends each tensor as a patch against the version the engines
+    # the wire dtype, also while it publishes, plus the buckets in flight) and sends each tensor as a patch against the version the engines
     # serve when that pays; a staged receiver keeps the version it last applied (one model of host RAM) to
     # rebuild full tensors from patches. false on either side: dense updates only (a receiver refuses patches
     # with kind ``base`` and its publisher resends dense)

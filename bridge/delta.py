@@ -255,8 +255,9 @@ def encode(base: torch.Tensor, new: torch.Tensor, *, name: str, base_version: in
 
 def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, shape: tuple[int, ...], base_version: int,
                  checksum: str = checksums.DEFAULT, encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL,
-                 base_checksum: int | None = None) -> DeltaTensor:
-    """``encode`` on the raw little-endian bytes (flat uint8 arrays) of a ``dtype`` tensor of ``shape``."""
+                 base_checksum: int | None = None, result_checksum: int | None = None) -> DeltaTensor:
+    """``encode`` on the raw little-endian bytes (flat uint8 arrays) of a ``dtype`` tensor of ``shape``;
+    ``result_checksum`` may pass the checksum of ``new`` when the caller has it (trusted, not recomputed)."""
     import numpy as np
 
     width = DTYPE_SIZES[dtype]
@@ -292,7 +293,7 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
     payload = new.tobytes() if chosen is None else chosen
     spec = DeltaSpec(
         name=name, dtype=dtype, shape=tuple(shape), encoding=encoding, codec=codec, base_version=base_version,
-        base_checksum=fn(base) if base_checksum is None else base_checksum, result_checksum=fn(new), checksum=checksum,
+        base_checksum=fn(base) if base_checksum is None else base_checksum, result_checksum=fn(new) if result_checksum is None else result_checksum, checksum=checksum,
         nbytes=len(payload), dense_nbytes=numel * width, changed=changed,
     )
     return DeltaTensor(spec, payload)
@@ -480,15 +481,15 @@ def plan_deltas(deltas: Sequence[DeltaSpec], max_ratio: float = 1.0) -> WirePlan
 
 
 
-# ---- an update's delta: what the manifest carries --------------------------------------------
+# ---- an update's delta: the manifest's part and each bucket's part ------------------------------
 
 
 @dataclass(frozen=True)
 class DeltaEntry:
-    """How one tensor of a delta update travels: its bytes lie at ``offset`` (``nbytes``) of the wire bucket
-    whose index is the tensor's own bucket in ``Manifest.tensors``. With ``delta`` they are that patch's
-    payload; without, the tensor's full bytes. ``checksum`` is the one of the resulting full tensor (the
-    manifest's algorithm): what the receiver records as served, and what a dense update carries."""
+    """How one tensor of a delta bucket travels: its bytes lie at ``offset`` (``nbytes``) of the wire bucket.
+    With ``delta`` they are that patch's payload; without, the tensor's full bytes. ``checksum`` is the one of
+    the resulting full tensor (the manifest's algorithm): what the receiver records as served, and what a
+    dense update carries."""
 
     offset: int
     nbytes: int
@@ -509,82 +510,66 @@ class DeltaEntry:
 
 
 @dataclass(frozen=True)
-class DeltaManifest:
-    """``Manifest.delta``: the update travels as patches against version ``base_version`` (the chain is
-    explicit: every patch names that version and the checksum of its base tensor).
+class BucketDelta:
+    """``BucketHeader.delta``: wire bucket ``index`` of a delta update carries the tensors of full bucket
+    ``index`` as patches (or whole), laid out in ``size`` bytes; ``entries`` (one per tensor of the bucket,
+    in manifest order) say where each payload lies. Sent with its bucket, so a publisher encodes bucket
+    ``i`` while bucket ``i - 1`` is on the wire. The header's checksums are those of the payload bytes (a
+    transport error is caught before decoding); each rebuilt tensor is then checked against its
+    ``DeltaEntry.checksum``. A bucket of a delta update sent without one carries its full tensors, as a
+    dense update's bucket does."""
 
-    ``Manifest.tensors`` and ``bucket_sizes`` keep describing the **full** tensors, as the receiver stages
-    them once rebuilt; ``bucket_sizes`` here are the sizes of the buckets on the wire (bucket ``i`` on the
-    wire carries the tensors of full bucket ``i``), and ``entries`` (one per tensor, in ``Manifest.tensors``
-    order) say where each tensor's payload lies. The buckets' header checksums are those of the payload
-    bytes (a transport error is caught per bucket before decoding); each rebuilt tensor is then checked
-    against its ``DeltaEntry.checksum`` / ``DeltaSpec.result_checksum``."""
-
-    base_version: int
-    bucket_sizes: tuple[int, ...]
+    size: int
     entries: tuple[DeltaEntry, ...]
-
-    @property
-    def base_checksums(self) -> dict[str, int]:
-        """Tensor name -> checksum of its base, for the tensors sent as patches."""
-        return {e.delta.name: e.delta.base_checksum for e in self.entries if e.delta is not None}
 
     @property
     def wire_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    def result_sums(self, manifest: Any) -> dict[str, int]:
-        """Tensor name -> checksum of the full tensor the update makes (the sums a dense update carries)."""
-        return {t.name: e.checksum for t, e in zip(manifest.tensors, self.entries, strict=True)}
+    def result_sums(self) -> tuple[int, ...]:
+        """The checksums of the full tensors the bucket makes (what a dense bucket's header carries)."""
+        return tuple(e.checksum for e in self.entries)
 
-    def wire_specs(self, manifest: Any) -> list[list[Any]]:
-        """Per wire bucket, the layout of its payloads as ``TensorSpec``s (manifest order): a dense entry as
-        its tensor (dtype and shape, so finiteness is checked as for any update), a patch as ``uint8`` bytes."""
+    def wire_specs(self, manifest: Any, index: int) -> list[Any]:
+        """The layout of the bucket's payloads as ``TensorSpec``s (manifest order): a tensor sent whole as its
+        tensor (dtype and shape, so finiteness is checked as for any update), a patch as ``uint8`` bytes."""
         from bridge.wire import TensorSpec
 
-        out: list[list[Any]] = [[] for _ in self.bucket_sizes]
-        for spec, entry in zip(manifest.tensors, self.entries, strict=True):
+        out = []
+        for spec, entry in zip(manifest.by_bucket()[index], self.entries, strict=True):
             if entry.delta is None:
-                out[spec.bucket].append(TensorSpec(spec.name, spec.dtype, spec.shape, spec.bucket, entry.offset, entry.nbytes))
+                out.append(TensorSpec(spec.name, spec.dtype, spec.shape, index, entry.offset, entry.nbytes))
             else:
-                out[spec.bucket].append(TensorSpec(spec.name, "uint8", (entry.nbytes,), spec.bucket, entry.offset, entry.nbytes))
+                out.append(TensorSpec(spec.name, "uint8", (entry.nbytes,), index, entry.offset, entry.nbytes))
         return out
 
-    def telemetry(self, manifest: Any) -> dict[str, Any]:
-        """Bytes on the wire against dense bytes and the density (changed elements of the patched tensors)."""
-        patched = [e.delta for e in self.entries if e.delta is not None]
-        numel = sum(d.numel for d in patched)
-        dense = sum(t.nbytes for t in manifest.tensors)
-        return {"delta_base": self.base_version, "wire_bytes": self.wire_bytes, "dense_bytes": dense,
-                "delta_tensors": len(patched), "density": round(sum(d.changed for d in patched) / numel, 6) if numel else 0.0}
-
     def to_wire(self) -> dict[str, Any]:
-        return {"base_version": self.base_version, "bucket_sizes": list(self.bucket_sizes),
-                "entries": [e.to_wire() for e in self.entries]}
+        return {"size": self.size, "entries": [e.to_wire() for e in self.entries]}
 
     @classmethod
-    def from_wire(cls, raw: Any) -> DeltaManifest:
-        _require(isinstance(raw, dict), "manifest.delta must be a map")
-        sizes, entries = raw.get("bucket_sizes"), raw.get("entries")
-        _require(isinstance(sizes, list) and len(sizes) <= 1 << 20, "manifest.delta.bucket_sizes must be a list")
-        _require(isinstance(entries, list), "manifest.delta.entries must be a list")
-        return cls(base_version=_int(raw.get("base_version"), "manifest.delta.base_version"),
-                   bucket_sizes=tuple(_int(s, "delta bucket size", 0, 1 << 40) for s in sizes),  # type: ignore[union-attr]
+    def from_wire(cls, raw: Any) -> BucketDelta:
+        _require(isinstance(raw, dict), "bucket.delta must be a map")
+        entries = raw.get("entries")
+        _require(isinstance(entries, list) and len(entries) <= 1 << 20, "bucket.delta.entries must be a list")
+        return cls(size=_int(raw.get("size"), "bucket.delta.size", 0, 1 << 40),
                    entries=tuple(DeltaEntry.from_wire(e) for e in entries))  # type: ignore[union-attr]
 
-    def check(self, manifest: Any) -> None:
-        """Consistent with ``manifest``: one entry per tensor, each patch for that tensor (name, dtype, shape,
-        the manifest's checksum algorithm, this base version), the base older than the update, the buckets
-        as many as the full ones, every payload inside its wire bucket and none overlapping. ManifestError
-        naming the problem."""
-        _require(len(self.entries) == len(manifest.tensors),
-                 f"manifest.delta lists {len(self.entries)} entries for {len(manifest.tensors)} tensors", ManifestError)
-        _require(len(self.bucket_sizes) == len(manifest.bucket_sizes),
-                 f"manifest.delta has {len(self.bucket_sizes)} buckets, the update {len(manifest.bucket_sizes)}", ManifestError)
-        _require(self.base_version < manifest.version,
-                 f"manifest.delta: base version {self.base_version} is not older than version {manifest.version}", ManifestError)
-        ends: list[list[tuple[int, int, str]]] = [[] for _ in self.bucket_sizes]
-        for spec, entry in zip(manifest.tensors, self.entries, strict=True):
+    def check(self, manifest: Any, index: int) -> None:
+        """Consistent with bucket ``index`` of the delta update ``manifest``: one entry per tensor of the bucket,
+        each patch for that tensor (name, dtype, shape, the manifest's checksum algorithm, its base version,
+        the base checksum the manifest named), a size no larger than the full bucket, every payload inside it
+        and none overlapping. ManifestError naming the problem (WireError when the update is not a delta)."""
+        _require(manifest.delta is not None, f"bucket {index} carries patches but the update is not a delta")
+        _require(index < len(manifest.bucket_sizes), f"bucket {index} does not exist", ManifestError)
+        specs = manifest.by_bucket()[index]
+        _require(len(self.entries) == len(specs),
+                 f"bucket {index}: its delta lists {len(self.entries)} entries for {len(specs)} tensors", ManifestError)
+        _require(self.size <= manifest.bucket_sizes[index],
+                 f"bucket {index}: wire size {self.size} exceeds the full bucket's {manifest.bucket_sizes[index]}", ManifestError)
+        delta = manifest.delta
+        bases = delta.base_sums(manifest)
+        spans = []
+        for spec, entry in zip(specs, self.entries, strict=True):
             name, d = spec.name, entry.delta
             if d is None:
                 _require(entry.nbytes == spec.nbytes, f"tensor {name}: sent dense in {entry.nbytes} bytes, it has {spec.nbytes}", ManifestError)
@@ -592,24 +577,97 @@ class DeltaManifest:
                 _require(d.name == name and d.dtype == spec.dtype and d.shape == spec.shape,
                          f"tensor {name}: its patch is for {d.name} {list(d.shape)} {d.dtype}", ManifestError)
                 _require(d.checksum == manifest.checksum, f"tensor {name}: patch checksums are {d.checksum}, the manifest's {manifest.checksum}", ManifestError)
-                _require(d.base_version == self.base_version, f"tensor {name}: patch against version {d.base_version}, the update's base is {self.base_version}", ManifestError)
+                _require(d.base_version == delta.base_version, f"tensor {name}: patch against version {d.base_version}, the update's base is {delta.base_version}", ManifestError)
+                _require(d.base_checksum == bases[name],
+                         f"tensor {name}: patch against base checksum {d.base_checksum:#x}, the manifest named {bases[name]:#x}", ManifestError)
                 _require(d.result_checksum == entry.checksum, f"tensor {name}: patch result checksum differs from its entry's", ManifestError)
                 _require(entry.nbytes == d.nbytes, f"tensor {name}: payload of {entry.nbytes} bytes, its patch declares {d.nbytes}", ManifestError)
-            _require(entry.offset + entry.nbytes <= self.bucket_sizes[spec.bucket],
-                     f"tensor {name}: payload [{entry.offset}, {entry.offset + entry.nbytes}) overflows wire bucket {spec.bucket} "
-                     f"of {self.bucket_sizes[spec.bucket]} bytes", ManifestError)
-            ends[spec.bucket].append((entry.offset, entry.offset + entry.nbytes, name))
-        for index, spans in enumerate(ends):
-            end, last = 0, ""
-            for start, stop, name in sorted(spans):
-                _require(start >= end, f"tensor {name}: payload overlaps tensor {last} in wire bucket {index}", ManifestError)
-                end, last = stop, name
+            _require(entry.offset + entry.nbytes <= self.size,
+                     f"tensor {name}: payload [{entry.offset}, {entry.offset + entry.nbytes}) overflows wire bucket {index} "
+                     f"of {self.size} bytes", ManifestError)
+            spans.append((entry.offset, entry.offset + entry.nbytes, name))
+        end, last = 0, ""
+        for start, stop, name in sorted(spans):
+            _require(start >= end, f"tensor {name}: payload overlaps tensor {last} in wire bucket {index}", ManifestError)
+            end, last = stop, name
+
+
+@dataclass(frozen=True)
+class DeltaManifest:
+    """``Manifest.delta``: the update travels as patches against version ``base_version``, whose checksum of
+    each tensor (``base_checksums``, one per tensor in ``Manifest.tensors`` order) the receiver checks
+    against what it serves at ``Begin``, before any payload. Which tensors go as patches, and where their
+    payloads lie, travels with each bucket (``BucketDelta``), so nothing of it needs the whole version
+    encoded first. ``Manifest.tensors`` and ``bucket_sizes`` keep describing the **full** tensors, as the
+    receiver stages them once rebuilt.
+
+    ``buckets`` is never sent: the receiver fills it with the tables its buckets carried (None: a bucket sent
+    whole) before the engine finishes the update, for the sync's record (``telemetry``)."""
+
+    base_version: int
+    base_checksums: tuple[int, ...]
+    buckets: tuple[BucketDelta | None, ...] = ()
+
+    def base_sums(self, manifest: Any) -> dict[str, int]:
+        """Tensor name -> checksum of its base."""
+        return {t.name: s for t, s in zip(manifest.tensors, self.base_checksums, strict=True)}
+
+    def telemetry(self, manifest: Any) -> dict[str, Any]:
+        """Bytes on the wire against dense bytes and the density, overall and per tensor group, from ``buckets``."""
+        return update_telemetry(manifest, self.buckets, self.base_version)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"base_version": self.base_version, "base_checksums": list(self.base_checksums)}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DeltaManifest:
+        _require(isinstance(raw, dict), "manifest.delta must be a map")
+        sums = raw.get("base_checksums")
+        _require(isinstance(sums, list), "manifest.delta.base_checksums must be a list")
+        return cls(base_version=_int(raw.get("base_version"), "manifest.delta.base_version"),
+                   base_checksums=tuple(_int(s, "base checksum", 0, 0xFFFFFFFFFFFFFFFF) for s in sums))  # type: ignore[union-attr]
+
+    def check(self, manifest: Any) -> None:
+        """Consistent with ``manifest``: one base checksum per tensor, the base older than the update.
+        ManifestError naming the problem."""
+        _require(len(self.base_checksums) == len(manifest.tensors),
+                 f"manifest.delta lists {len(self.base_checksums)} base checksums for {len(manifest.tensors)} tensors", ManifestError)
+        _require(self.base_version < manifest.version,
+                 f"manifest.delta: base version {self.base_version} is not older than version {manifest.version}", ManifestError)
+
+
+def update_telemetry(manifest: Any, tables: Sequence[BucketDelta | None], base_version: int = 0) -> dict[str, Any]:
+    """A sync's wire figures: the base version (0: dense), bytes on the wire, dense bytes, tensors sent as
+    patches and their density (changed elements per element of the patched tensors; 0 for dense), and the
+    same per tensor group (``bridge.tensor_groups.tensor_group``). ``tables``: each bucket's ``BucketDelta``
+    (None or missing: the bucket went whole)."""
+    from bridge.tensor_groups import tensor_group
+
+    groups: dict[str, list[int]] = {}  # group -> [wire bytes, dense bytes, changed, patched elements]
+    for index, specs in enumerate(manifest.by_bucket()):
+        table = tables[index] if index < len(tables) else None
+        entries = table.entries if table is not None else (None,) * len(specs)
+        for spec, entry in zip(specs, entries, strict=True):
+            g = groups.setdefault(tensor_group(spec.name), [0, 0, 0, 0])
+            g[0] += entry.nbytes if entry is not None else spec.nbytes
+            g[1] += spec.nbytes
+            if entry is not None and entry.delta is not None:
+                g[2] += entry.delta.changed
+                g[3] += entry.delta.numel
+    total = [sum(g[i] for g in groups.values()) for i in range(4)]
+    delta_tensors = sum(1 for t in tables if t is not None for e in t.entries if e.delta is not None)
+
+    def density(g: list[int]) -> float:
+        return round(g[2] / g[3], 6) if g[3] else 0.0
+
+    return {"delta_base": base_version, "wire_bytes": total[0], "dense_bytes": total[1], "delta_tensors": delta_tensors,
+            "density": density(total),
+            "groups": {name: {"wire_bytes": g[0], "dense_bytes": g[1], "density": density(g)} for name, g in sorted(groups.items())}}
 
 
 def wire_telemetry(manifest: Any) -> dict[str, Any]:
-    """A sync's wire figures for its record (``SyncRecord``): the base version (0: dense), bytes on the wire,
-    dense bytes, tensors sent as patches and their density (changed elements per element; 0 for dense)."""
+    """A sync's wire figures for its record (``SyncRecord``), as ``update_telemetry`` gives them: a delta
+    update's from the tables its buckets carried, a dense update's as its full bytes."""
     if manifest.delta is not None:
         return dict(manifest.delta.telemetry(manifest))
-    dense = sum(t.nbytes for t in manifest.tensors)
-    return {"delta_base": 0, "wire_bytes": dense, "dense_bytes": dense, "delta_tensors": 0, "density": 0.0}
+    return update_telemetry(manifest, ())

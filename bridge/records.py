@@ -37,6 +37,8 @@ class SyncRecord:
     dense_bytes: int = 0
     delta_tensors: int = 0
     density: float = 0.0
+    # the same per tensor group (bridge/tensor_groups.py): group -> {wire_bytes, dense_bytes, density}
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     timestamp: float = field(default_factory=time.time)
 
     @property

@@ -284,10 +284,11 @@ class UpdateSender:
 
     def _stream_report(self, manifest: wire.Manifest, plane: SendPlane,
                        produce: Callable[[int, int], tuple[OutgoingBucket, tuple[int, ...]]], t_start: float) -> PublishReport:
-        """``_stream`` without raising: the report, failed engines included. A delta manifest's buckets are
-        its wire buckets (``manifest.delta.bucket_sizes``)."""
+        """``_stream`` without raising: the report, failed engines included. ``produce`` is given each full
+        bucket's size; a delta update's producer returns its wire bucket (``OutgoingBucket.delta``: its table
+        of patches, sent in the header; the checksums, of its payloads)."""
         version = manifest.version
-        sizes = manifest.delta.bucket_sizes if manifest.delta is not None else manifest.bucket_sizes
+        sizes = manifest.bucket_sizes
         offers = plane.offers([p.endpoint for p in self._peers])
         for peer, offer in zip(self._peers, offers, strict=False):
             self._send(peer, offer)
@@ -307,9 +308,9 @@ class UpdateSender:
                 plane.reusable(self._released())
                 out, sums = produce(index, size)
                 seconds["pack"] += time.perf_counter() - t0
-                packed[index] = sums
+                packed[index] = sums if out.delta is None else out.delta.result_sums()
                 header = wire.BucketHeader(version=version, index=index, checksums=sums, segment=out.segment,
-                                           token=token if out.segment else "")
+                                           token=token if out.segment else "", delta=out.delta)
                 active = [p for p in self._peers if p.ack is None]
                 self._wait(lambda p: p.credit > 0 or p.ack is not None, deadlines.bucket_s, f"bucket {index}", active)
                 for rank, peer in enumerate(self._peers):
@@ -349,7 +350,7 @@ class UpdateSender:
         """An engine that answered "already served" sent the checksums it recorded for that version: where
         they differ from what this publisher packed, the version number was reused for other weights, and
         that engine's answer becomes a VersionConflict (it keeps serving its own; bridge/served.py)."""
-        ours = published_sums(manifest, packed) if manifest.delta is None else manifest.delta.result_sums(manifest)
+        ours = published_sums(manifest, packed)
         for peer in self._peers:
             ack = peer.ack
             if ack is None or not ack.ok or "served_checksums" not in ack.report:

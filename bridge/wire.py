@@ -18,7 +18,7 @@ from bridge.errors import ManifestError, WireError
 from bridge.transports import COLLECTIVE
 
 if TYPE_CHECKING:
-    from bridge.delta import DeltaManifest
+    from bridge.delta import BucketDelta, DeltaManifest
     from bridge.shards import ShardManifest
 
 # dtype name -> element size. Names are torch's (``str(torch.bfloat16)`` without ``torch.``).
@@ -302,6 +302,14 @@ def _delta_from_wire(raw: Any) -> DeltaManifest:
     from bridge.delta import DeltaManifest  # bridge.delta builds on this module
 
     return DeltaManifest.from_wire(raw)
+
+
+def _bucket_delta(raw: Any) -> BucketDelta:
+    from bridge.delta import BucketDelta
+
+    return BucketDelta.from_wire(raw)
+
+
 def _shards(raw: Any) -> ShardManifest:
     from bridge.shards import ShardManifest
 
@@ -345,6 +353,8 @@ class BucketHeader:
     ``token`` (shm only) is the publisher's random token of this send: receivers on one host that find a
     verdict on ``segment`` under the same token, bucket and checksums skip verifying it again
     (bridge/host_verdicts.py); empty, every receiver verifies.
+    ``delta`` (a delta update only; bridge/delta.py ``BucketDelta``): the bucket carries patches, laid out as
+    it says in ``delta.size`` bytes, and ``checksums`` are those of its payloads; None: the full tensors.
     """
 
     version: int
@@ -352,6 +362,7 @@ class BucketHeader:
     checksums: tuple[int, ...] = ()
     segment: str = ""
     token: str = ""
+    delta: BucketDelta | None = None
     type: str = field(default="bucket", init=False)
 
 
@@ -462,6 +473,9 @@ def encode(msg: Message) -> bytes:
             body["transports"] = list(msg.transports)
         if isinstance(msg, BucketHeader):
             body["checksums"] = list(msg.checksums)
+            body.pop("delta")
+            if msg.delta is not None:
+                body["delta"] = msg.delta.to_wire()
         if isinstance(msg, Credit):
             body["released"] = list(msg.released)
     return msgpack.packb(body, use_bin_type=True)
@@ -512,6 +526,7 @@ def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int
                 checksums=tuple(_int(c, "checksum", 0, 0xFFFFFFFFFFFFFFFF) for c in sums),  # type: ignore[union-attr]
                 segment=_str(raw.get("segment", ""), "segment", 255),
                 token=_str(raw.get("token", ""), "token", 64),
+                delta=_bucket_delta(raw["delta"]) if raw.get("delta") is not None else None,
             )
         if kind == "ranks":
             return RankBucket(version=_int(raw.get("version"), "version"),

@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from bridge import wire
-from bridge.delta import DeltaManifest, DeltaTensor, apply_bytes
+from bridge.delta import BucketDelta, DeltaTensor, apply_bytes
 from bridge.errors import ChecksumError, WrongBase
 from bridge.shm import SegmentPool
 from inference_side.contract import StagedBucket
@@ -90,7 +90,7 @@ class BaseStore:
         if self.algorithm != manifest.checksum:
             raise WrongBase(f"{self.engine} recorded its base under {self.algorithm or 'no checksum'}, the delta's "
                             f"checksums are {manifest.checksum}")
-        for name, expected in delta.base_checksums.items():
+        for name, expected in delta.base_sums(manifest).items():
             held = self.sums.get(name)
             if held is None:
                 raise WrongBase(f"tensor {name}: {self.engine} holds no base for it (version {base} did not carry it here)")
@@ -109,18 +109,19 @@ def copy(bucket: StagedBucket) -> dict[str, tuple[np.ndarray, int]]:
             for spec, checksum in zip(bucket.specs, bucket.checksums, strict=False)}
 
 
-def rebuild(manifest: wire.Manifest, delta: DeltaManifest, index: int, wire_bucket: StagedBucket, store: BaseStore,
+def rebuild(manifest: wire.Manifest, delta: BucketDelta, index: int, wire_bucket: StagedBucket, store: BaseStore,
             pool: SegmentPool, nonfinite: str) -> StagedBucket:
     """Full bucket ``index`` of ``manifest`` rebuilt into a segment from ``pool``: each patch applied to the
     stored base (``apply_bytes``: the base's bytes checked against the patch's base checksum, the result's
     against its result checksum), each dense tensor copied; under ``nonfinite: reject`` the rebuilt floats
-    are checked too. The wire bucket (verified already: its payload checksums) is only read. Raises the
+    are checked too. ``delta`` is the table the bucket's header carried (checked against the manifest). The
+    wire bucket (verified already: its payload checksums) is only read. Raises the
     delta codec's errors (``WrongBase``, ``CorruptPatch``, ``ManifestError``) or ``NonFiniteError``; the new
     segment is closed then. A dense tensor's header checksum must equal its entry's (``ChecksumError``)."""
     import numpy as np
 
     specs = manifest.by_bucket()[index]
-    entries = dict(zip((t.name for t in manifest.tensors), delta.entries, strict=True))
+    entries = dict(zip((t.name for t in specs), delta.entries, strict=True))
     segment = pool.take(manifest.bucket_sizes[index])
     try:
         out = np.frombuffer(segment.buffer, dtype=np.uint8)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from bridge import wire
@@ -370,7 +371,15 @@ class SyncReceiver:
         if header.version != m.version or header.index >= len(m.bucket_sizes) or header.index in session.buckets:
             self._fail(sock, identity, m.version, FailureKind.WIRE, f"unexpected bucket {header.index} of version {header.version}")
             return
-        size = (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[header.index]
+        table = header.delta  # a delta update's bucket of patches: checked against the manifest before landing
+        if table is not None:
+            try:
+                table.check(m, header.index)
+            except BridgeError as exc:
+                self._refuse(sock, identity, m.version, exc)
+                return
+        session.deltas[header.index] = table
+        size = table.size if table is not None else m.bucket_sizes[header.index]
         t0 = time.perf_counter()
         try:
             segment = self._plane(m.transport).land(identity, m.version, header, payload, size,
@@ -413,11 +422,12 @@ class SyncReceiver:
         """Bucket ``index`` lies complete in ``segment``: verify it (once per host for a publisher's shm
         segment sent under ``token``), then load it (streaming) or credit it back."""
         m = session.manifest
-        specs = m.by_bucket()[index] if m.delta is None else m.delta.wire_specs(m)[index]  # a delta: its payloads
+        table = session.deltas.get(index)
+        specs = m.by_bucket()[index] if table is None else table.wire_specs(m, index)  # patches: their payloads
         session.buckets[index] = StagedBucket(index, segment, specs, checksums)
         if m.shards is None:  # (a sharded update's checksums are per range: none recorded per tensor)
             session.sums.update(bucket_sums(specs, checksums))
-        session.bytes_in += (m.delta.bucket_sizes if m.delta is not None else m.bucket_sizes)[index]
+        session.bytes_in += m.bucket_sizes[index] if table is None else table.size
         try:
             scfg = self.config.sync
             if scfg.verify_checksums or scfg.nonfinite == "reject":
@@ -438,9 +448,9 @@ class SyncReceiver:
                         session.verified_by_peer += 1
                 else:
                     check()
-            if m.delta is not None and self.bases is not None:  # the full tensors, checked, into staging
+            if table is not None and self.bases is not None:  # the full tensors, checked, into staging
                 wire_bucket = session.buckets[index]
-                session.buckets[index] = rebuild(m, m.delta, index, wire_bucket, self.bases, self._pool, scfg.nonfinite)
+                session.buckets[index] = rebuild(m, table, index, wire_bucket, self.bases, self._pool, scfg.nonfinite)
                 session.sums.update(bucket_sums(session.buckets[index].specs, session.buckets[index].checksums))
                 if wire_bucket.segment.owner:
                     self._pool.give(wire_bucket.segment)
@@ -499,6 +509,10 @@ class SyncReceiver:
             self._fail(sock, identity, msg.version, FailureKind.WIRE, f"update ended with buckets {missing[:10]} missing")
             return
         session.timings["transfer"] = time.monotonic() - session.started
+        if session.manifest.delta is not None:  # the tables the buckets carried, for the sync's record
+            m = session.manifest
+            assert m.delta is not None
+            session.manifest = replace(m, delta=replace(m.delta, buckets=tuple(session.deltas.get(i) for i in range(len(m.bucket_sizes)))))
         buckets = [session.buckets[i] for i in sorted(session.buckets)]
         session.apply_started = time.monotonic()
         if session.streaming:

@@ -39,6 +39,7 @@ class Session:
     spare: list[Segment] = field(default_factory=list)  # receive segments free for the next bucket
     ended: wire.End | None = None  # End arrived while buckets were still landing
     checksums: dict[int, tuple[int, ...]] = field(default_factory=dict)  # headers of buckets still landing
+    deltas: dict[int, Any] = field(default_factory=dict)  # a delta update: each bucket's BucketDelta (None: sent whole)
     unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
     sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried

@@ -17,8 +17,10 @@ def ok_record(engine: str, version: int, ts: float, total: float = 1.0, nbytes: 
               probe: float | None = 0.01, delta_base: int = 0) -> SyncRecord:
     """A verified sync; with ``delta_base`` a delta update: 1% of the elements of 200 tensors changed, 1% of the
     dense bytes on the wire."""
+    groups = {"attn": {"wire_bytes": nbytes // 400, "dense_bytes": nbytes // 4, "density": 0.012},
+              "mlp": {"wire_bytes": nbytes // 200 * 3 // 2, "dense_bytes": nbytes // 4 * 3, "density": 0.0093}}
     delta = {"delta_base": delta_base, "wire_bytes": nbytes // 100, "dense_bytes": nbytes, "delta_tensors": 200,
-             "density": 0.01} if delta_base else {}
+             "density": 0.01, "groups": groups} if delta_base else {}
     return SyncRecord(version=version, engine=engine, ok=True, bytes=nbytes, tensors=290,
                       seconds={"pack": 0.1, "transfer": total * 0.6, "load": 0.2, "verify": 0.05, "total": total},
                       tensors_audited=290, probe_mean_abs_logprob_diff=probe, probe_kl=None if probe is None else probe / 10,

@@ -281,6 +281,16 @@ def test_page_shows_each_syncs_bytes_on_the_wire_and_its_delta(rendered: Node) -
 
 
 @needs_chromium
+def test_page_shows_the_density_per_tensor_group_of_each_engines_latest_delta(rendered: Node) -> None:
+    """The engines table: engine-a's latest sync was a delta (its groups' densities and, on hover, MB on the wire
+    over dense); engine-b's latest failed, so it shows none."""
+    rows = {r.attrs["data-engine"]: r for r in rendered.find_all("engine-row")}
+    a, b = rows["engine-a"].find("engine-groups"), rows["engine-b"].find("engine-groups")
+    assert (a.text, b.text) == ("attn 1.20% · mlp 0.93%", "–")
+    assert a.attrs["title"].split("\n") == ["attn: 5.0 / 500.0 MB", "mlp: 15.0 / 1500.0 MB"], a.attrs
+
+
+@needs_chromium
 def test_page_shows_a_red_alert_naming_the_stale_tensor(rendered: Node) -> None:
     banner = rendered.find("alert-banner")
     assert "hidden" not in banner.attrs and banner.attrs.get("role") == "alert"

@@ -4,6 +4,7 @@ it). The real engine: tests/test_delta_sync.py."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from bridge import wire
 from bridge.config import BridgeConfig
-from bridge.delta import DeltaEntry, DeltaManifest, encode
+from bridge.delta import BucketDelta, DeltaEntry, DeltaManifest, encode
 from bridge.errors import ManifestError, UpdateFailed, WireError, WrongBase
 from bridge.report import FailureKind
 from tests.fakes import FakeEngine
@@ -48,9 +49,10 @@ def _raw(tensor: Any) -> bytes:
     return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-# ---- the manifest's delta on the wire -------------------------------------------------------------------------
+# ---- the manifest's delta and the buckets' tables on the wire ------------------------------------------------
 
-def _delta_manifest(version: int = 5, base: int = 4) -> wire.Manifest:
+def _delta_update(version: int = 5, base: int = 4) -> tuple[wire.Manifest, wire.BucketHeader]:
+    """A delta update of two tensors in one bucket: the first as a patch, the second whole."""
     import torch
 
     old = torch.zeros(32, dtype=torch.bfloat16)
@@ -59,116 +61,187 @@ def _delta_manifest(version: int = 5, base: int = 4) -> wire.Manifest:
     d = encode(old, new, name="model.norm.weight", base_version=base, checksum="crc32")
     tensors = (wire.TensorSpec("model.norm.weight", "bfloat16", (32,), 0, 0, 64),
                wire.TensorSpec("model.layers.0.w", "float32", (4,), 0, 64, 16))
-    entries = (DeltaEntry(0, d.spec.nbytes, d.spec.result_checksum, d.spec), DeltaEntry(64, 16, 7))
-    return wire.Manifest(version=version, tensors=tensors, bucket_sizes=(128,), checksum="crc32",
-                         delta=DeltaManifest(base, (128,), entries))
+    manifest = wire.Manifest(version=version, tensors=tensors, bucket_sizes=(80,), checksum="crc32",
+                             delta=DeltaManifest(base, (d.spec.base_checksum, 11)))
+    table = BucketDelta(80, (DeltaEntry(0, d.spec.nbytes, d.spec.result_checksum, d.spec), DeltaEntry(64, 16, 7)))
+    return manifest, wire.BucketHeader(version=version, index=0, checksums=(1, 7), delta=table)
 
 
-def test_manifest_with_delta_round_trips() -> None:
-    manifest = _delta_manifest()
+def test_delta_update_round_trips() -> None:
+    manifest, header = _delta_update()
     decoded = wire.decode(wire.encode(wire.Begin(manifest)))
     assert isinstance(decoded, wire.Begin) and decoded.manifest == manifest
-    delta = manifest.delta
-    assert delta is not None and delta.base_version == 4
-    assert set(delta.base_checksums) == {"model.norm.weight"}
-    assert delta.result_sums(manifest)["model.layers.0.w"] == 7
+    assert wire.decode(wire.encode(header)) == header
+    delta, table = manifest.delta, header.delta
+    assert delta is not None and delta.base_version == 4 and table is not None
+    assert delta.base_sums(manifest)["model.layers.0.w"] == 11
+    assert table.result_sums()[1] == 7 and table.wire_bytes == table.entries[0].nbytes + 16
+    table.check(manifest, 0)
     assert wire.decode(wire.encode(wire.Begin(replace(manifest, delta=None)))).manifest.delta is None  # type: ignore[union-attr]
-
-
-def _broken(change: str) -> wire.Manifest:
-    m = _delta_manifest()
-    d = m.delta
-    assert d is not None
-    patch, dense = d.entries
-    if change == "entries":
-        return replace(m, delta=replace(d, entries=(patch,)))
-    if change == "buckets":
-        return replace(m, delta=replace(d, bucket_sizes=(128, 64)))
-    if change == "base-not-older":
-        return replace(m, version=4)
-    if change == "overflow":
-        return replace(m, delta=replace(d, entries=(patch, replace(dense, offset=120))))
-    if change == "overlap":
-        return replace(m, delta=replace(d, entries=(patch, replace(dense, offset=0))))
-    if change == "dense-size":
-        return replace(m, delta=replace(d, entries=(patch, replace(dense, nbytes=8))))
-    if change == "patch-for-other-tensor":
-        assert patch.delta is not None
-        return replace(m, delta=replace(d, entries=(replace(patch, delta=replace(patch.delta, name="model.other")), dense)))
-    if change == "patch-other-base":
-        assert patch.delta is not None
-        return replace(m, delta=replace(d, entries=(replace(patch, delta=replace(patch.delta, base_version=3)), dense)))
-    if change == "adapter":
-        return replace(m, adapter=wire.AdapterSpec("a", {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
-    raise AssertionError(change)
+    assert wire.decode(wire.encode(replace(header, delta=None))).delta is None  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    ("entries", "1 entries for 2 tensors"), ("buckets", "2 buckets"), ("base-not-older", "not older"),
-    ("overflow", "overflows wire bucket"), ("overlap", "overlaps"), ("dense-size", "sent dense in 8 bytes"),
-    ("patch-for-other-tensor", "its patch is for model.other"), ("patch-other-base", "against version 3"),
+    ("sums", "1 base checksums for 2 tensors"), ("base-not-older", "not older"),
     ("adapter", "adapter update cannot travel as a delta"),
 ])
 def test_inconsistent_delta_manifest_is_refused(change: str, words: str) -> None:
+    m, _ = _delta_update()
+    d = m.delta
+    assert d is not None
+    if change == "sums":
+        m = replace(m, delta=replace(d, base_checksums=d.base_checksums[:1]))
+    elif change == "base-not-older":
+        m = replace(m, version=4)
+    else:
+        m = replace(m, adapter=wire.AdapterSpec("a", {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
     with pytest.raises((ManifestError, WireError), match=words):
-        wire.decode(wire.encode(wire.Begin(_broken(change))))
+        wire.decode(wire.encode(wire.Begin(m)))
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ("entries", "1 entries for 2 tensors"), ("larger-than-full", "exceeds the full bucket's 80"),
+    ("overflow", "overflows wire bucket"), ("overlap", "overlaps"), ("dense-size", "sent dense in 8 bytes"),
+    ("patch-for-other-tensor", "its patch is for model.other"), ("patch-other-base", "against version 3"),
+    ("patch-other-base-sum", "the manifest named"), ("not-a-delta", "the update is not a delta"),
+])
+def test_inconsistent_bucket_table_is_refused(change: str, words: str) -> None:
+    """What the receiver checks on each bucket header of a delta update before landing it (``BucketDelta.check``)."""
+    m, header = _delta_update()
+    t = header.delta
+    assert t is not None
+    patch, dense = t.entries
+    assert patch.delta is not None
+    tables = {
+        "entries": replace(t, entries=(patch,)), "larger-than-full": replace(t, size=128),
+        "overflow": replace(t, entries=(patch, replace(dense, offset=72))),
+        "overlap": replace(t, entries=(patch, replace(dense, offset=0))),
+        "dense-size": replace(t, entries=(patch, replace(dense, nbytes=8))),
+        "patch-for-other-tensor": replace(t, entries=(replace(patch, delta=replace(patch.delta, name="model.other")), dense)),
+        "patch-other-base": replace(t, entries=(replace(patch, delta=replace(patch.delta, base_version=3)), dense)),
+        "patch-other-base-sum": replace(t, entries=(replace(patch, delta=replace(patch.delta, base_checksum=patch.delta.base_checksum ^ 1)), dense)),
+        "not-a-delta": t,
+    }
+    if change == "not-a-delta":
+        m = replace(m, delta=None)
+    decoded = wire.decode(wire.encode(replace(header, delta=tables[change])))
+    assert isinstance(decoded, wire.BucketHeader) and decoded.delta is not None
+    with pytest.raises((ManifestError, WireError), match=words):
+        decoded.delta.check(m, 0)
 
 
 # ---- the publisher's choice ------------------------------------------------------------------------------------
 
-def _snapshots(old: dict[str, Any], new: dict[str, Any], checksum: str = "crc32") -> tuple[Any, Any]:
-    from trainer_side.delta_publish import snapshot
-    from trainer_side.packing import make_plan, plan_specs
+def _snapshots(old: dict[str, Any], new: dict[str, Any], checksum: str = "crc32") -> tuple[Any, Any, Any, list[Any]]:
+    """The base (version 1 of ``old``, packed), and version 2 of ``new``: an empty snapshot, its plan and tensors."""
+    from trainer_side.delta_publish import Snapshot
+    from trainer_side.packing import make_plan, pack_bucket, plan_specs
 
     out = []
     for version, weights in ((1, old), (2, new)):
         plan, tensors = make_plan(list(weights.items()), "bfloat16", 1 << 20)
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes, checksum=checksum)
-        out.append(snapshot(manifest, plan, tensors))
-    return out[0], out[1]
+        out.append((Snapshot.empty(manifest), plan, tensors))
+    (base, plan, tensors), new_snap = out[0], out[1]
+    for index in range(len(base.buffers)):
+        import torch
+
+        base.buffers[index] = torch.empty(base.manifest.bucket_sizes[index], dtype=torch.uint8)
+        base.sums[index] = tuple(pack_bucket(plan, tensors, index, base.buffers[index], checksum=checksum))
+    return base, *new_snap
 
 
 def test_publisher_encodes_a_small_step_as_a_delta() -> None:
-    from trainer_side.delta_publish import Encoded
-    from trainer_side.delta_publish import encode as encode_update
+    import torch
+
+    from bridge.delta import update_telemetry
+    from trainer_side.delta_publish import encode_bucket, plan_update
+    from trainer_side.packing import pack_bucket
 
     old = _weights()
     new = {k: v.clone() for k, v in old.items()}
     _step(new, seed=1)
-    base, snap = _snapshots(old, new)
-    encoded = encode_update(base, snap)
-    assert isinstance(encoded, Encoded)
-    assert encoded.summary["mode"] == "delta" and encoded.summary["base_version"] == 1
-    assert encoded.delta.wire_bytes <= 0.05 * snap.manifest.total_bytes
-    assert 0.009 <= encoded.summary["density"] <= 0.011
-    encoded.delta.check(replace(snap.manifest, delta=encoded.delta))
-    assert encoded.delta.result_sums(snap.manifest) == snap.checksums()
+    base, snap, plan, tensors = _snapshots(old, new)
+    assert plan_update(base, snap.manifest, plan, tensors) == ""
+    tables = []
+    for index, size in enumerate(snap.manifest.bucket_sizes):
+        snap.buffers[index] = torch.empty(size, dtype=torch.uint8)
+        snap.sums[index] = tuple(pack_bucket(plan, tensors, index, snap.buffers[index], checksum="crc32"))
+        encoded = encode_bucket(base, snap, index)
+        assert encoded is not None
+        table, items, sums = encoded
+        manifest = replace(snap.manifest, delta=DeltaManifest(1, tuple(base.checksums()[t.name] for t in snap.manifest.tensors)))
+        table.check(manifest, index)
+        assert table.result_sums() == snap.sums[index] and len(sums) == len(items) == len(table.entries)
+        tables.append(table)
+    telemetry = update_telemetry(snap.manifest, tables, 1)
+    assert telemetry["wire_bytes"] <= 0.05 * snap.manifest.total_bytes
+    assert 0.009 <= telemetry["density"] <= 0.011
+    assert set(telemetry["groups"]) == {"mlp", "norm"} and telemetry["groups"]["mlp"]["density"] > 0.009
 
 
 @pytest.mark.parametrize(("case", "words"), [
     ("new-weights", "of the elements changed"), ("other-tensors", "differ from the base version 1"),
-    ("no-checksums", "a delta needs the same algorithm"), ("not-paying", "of dense (above"),
+    ("no-checksums", "a delta needs the same algorithm"), ("no-base", "no base"),
 ])
 def test_publisher_goes_dense_and_says_why(case: str, words: str) -> None:
     import torch
 
-    from trainer_side.delta_publish import encode as encode_update
+    from trainer_side.delta_publish import plan_update
 
     old = _weights()
     new = {k: v.clone() for k, v in old.items()}
-    checksum, max_ratio = "crc32", 0.5
+    checksum = "crc32"
     if case == "new-weights":
         new = _weights(seed=9)
     elif case == "other-tensors":
         new["model.extra.weight"] = torch.ones(4, dtype=torch.bfloat16)
     elif case == "no-checksums":
         checksum = "none"
-    else:
+    base, snap, plan, tensors = _snapshots(old, new, checksum)
+    reason = plan_update(None if case == "no-base" else base, snap.manifest, plan, tensors)
+    assert words in reason, reason
+
+
+def test_the_estimate_reads_any_tensor_shape_and_dtype() -> None:
+    """The up-front sample of ``plan_update`` on tensors of one element, 0-d, empty, strided (a transposed
+    view) and in float32 cast to the wire's bfloat16 as packing casts it: no change estimated on the same
+    weights, every element changed on new ones."""
+    import torch
+
+    from trainer_side.delta_publish import plan_update
+
+    def weights(seed: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(seed)
+        return {"model.layers.0.self_attn.sinks": torch.randn(8, generator=gen),
+                "model.layers.0.step": torch.tensor(seed, dtype=torch.int64),
+                "model.layers.0.empty": torch.zeros(0),
+                "model.layers.0.mlp.up_proj.weight": torch.randn(256, 64, generator=gen).t(),
+                "model.norm.weight": torch.randn(1, generator=gen)}
+
+    base, snap, plan, tensors = _snapshots(weights(1), weights(1))
+    assert plan_update(base, snap.manifest, plan, tensors) == ""
+    base, snap, plan, tensors = _snapshots(weights(1), weights(2))
+    assert "of the elements changed" in plan_update(base, snap.manifest, plan, tensors)
+
+
+@pytest.mark.parametrize("case", ["new-weights", "not-paying"])
+def test_a_bucket_goes_whole_when_its_patches_do_not_pay(case: str) -> None:
+    """The estimate said delta, but this bucket changed more than it said: it goes whole (``encode_bucket`` None)."""
+    import torch
+
+    from trainer_side.delta_publish import encode_bucket
+    from trainer_side.packing import pack_bucket
+
+    old = _weights()
+    new = _weights(seed=9) if case == "new-weights" else {k: v.clone() for k, v in old.items()}
+    if case == "not-paying":
         _step(new, seed=1, density=0.3)
-        max_ratio = 0.01
-    base, snap = _snapshots(old, new, checksum)
-    reason = encode_update(base, snap, max_ratio=max_ratio)
-    assert isinstance(reason, str) and words in reason, reason
+    base, snap, plan, tensors = _snapshots(old, new)
+    snap.buffers[0] = torch.empty(snap.manifest.bucket_sizes[0], dtype=torch.uint8)
+    snap.sums[0] = tuple(pack_bucket(plan, tensors, 0, snap.buffers[0], checksum="crc32"))
+    assert encode_bucket(base, snap, 0, max_ratio=0.01 if case == "not-paying" else 0.5) is None
+    assert encode_bucket(base, snap, 0, max_ratio=1.0, max_changed=1.0) is not None
 
 
 # ---- the receiver's base ------------------------------------------------------------------------------------
@@ -176,7 +249,7 @@ def test_publisher_goes_dense_and_says_why(case: str, words: str) -> None:
 def test_base_store_refuses_what_it_does_not_hold() -> None:
     from inference_side.delta_base import BaseStore
 
-    manifest = _delta_manifest(version=5, base=4)
+    manifest, _ = _delta_update(version=5, base=4)
     store = BaseStore("engine-x")
     with pytest.raises(WrongBase, match=r"engine-x holds no base .*\(restarted or cold-loaded\)"):
         store.check(manifest)
@@ -187,7 +260,8 @@ def test_base_store_refuses_what_it_does_not_hold() -> None:
     with pytest.raises(WrongBase, match="model.norm.weight: engine-x holds no base for it"):
         store.check(manifest)
     assert manifest.delta is not None
-    store.sums["model.norm.weight"] = manifest.delta.base_checksums["model.norm.weight"] ^ 1
+    store.sums["model.layers.0.w"] = 11
+    store.sums["model.norm.weight"] = manifest.delta.base_sums(manifest)["model.norm.weight"] ^ 1
     with pytest.raises(WrongBase, match="tensor model.norm.weight: wrong base"):
         store.check(manifest)
     store.sums["model.norm.weight"] ^= 1
@@ -345,3 +419,111 @@ def test_a_relay_rebuilds_once_and_forwards_dense(start_receiver: Any) -> None:
         assert all(r.bases is not None and r.bases.version == 3 for r in receivers)  # the engines could take deltas too
     finally:
         relay.shutdown()
+
+
+def test_deltas_over_gloo_rebuild_bit_identical_and_a_wrong_base_gets_dense(start_receiver: Any) -> None:
+    """The collective plane carries wire buckets like any bucket: two receivers over one real gloo link take
+    four deltas in a row bit-identical; then one whose recorded base differs refuses the next delta before any
+    payload (kind ``base``) and is resent that version dense over gloo, while the other takes the delta."""
+    from trainer_side import WeightPublisher
+
+    config = _config().replace(deadlines={"connect_s": 20, "bucket_s": 20})
+    engines = [FakeEngine(keep="bytes", transports=("zmq", "gloo")) for _ in range(2)]
+    events: list[tuple[str, dict[str, Any]]] = []
+    rxs = [start_receiver(config, engines[0], events), start_receiver(config, engines[1])]
+    weights = _weights()
+    with WeightPublisher([rx.endpoint for rx in rxs], config=config, transport="gloo") as publisher:
+        for version in range(1, 6):
+            _step(weights, seed=version)
+            report = publisher.publish(weights, version=version)
+            assert report.ok and report.delta["mode"] == ("dense" if version == 1 else "delta"), report.delta
+            assert not report.delta.get("dense_fallback") and report.delta.get("dense_buckets", 0) == 0, report.delta
+            for engine in engines:
+                assert {k: bytes(v) for k, v in engine.received[version].items()} == {k: _raw(v) for k, v in weights.items()}
+        assert all(m.transport == "gloo" for m in engines[0].manifests.values())
+        store = rxs[0].bases
+        assert store is not None
+        store.sums["model.norm.weight"] ^= 1  # what this engine recorded as served is not the publisher's base
+        _step(weights, seed=6)
+        report = publisher.publish(weights, version=6)
+    first, second = report.engines
+    assert report.ok and report.delta["mode"] == "delta", report
+    assert "tensor model.norm.weight: wrong base" in first.dense_fallback and not second.dense_fallback, report.engines
+    assert report.delta["dense_fallback"] == {rxs[0].endpoint: first.dense_fallback}
+    assert [d["kind"] for e, d in events if e == "refused"] == [FailureKind.BASE.value]
+    for engine in engines:
+        assert {k: bytes(v) for k, v in engine.received[6].items()} == {k: _raw(v) for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_records_carry_wire_bytes_and_density_per_group(start_receiver: Any, mode: str) -> None:
+    """The publisher's report and the engine's SyncRecord agree on the bytes on the wire, dense bytes and density,
+    overall and per tensor group (here mlp at 1% and norm untouched); a dense sync's groups carry their full
+    bytes and density 0."""
+    from inference_side.ledger import Ledger, RecordingGate
+    from trainer_side import WeightPublisher
+
+    engine = FakeEngine(keep="bytes")
+    ledger = Ledger("engine-g")
+    rx = start_receiver(_config(mode=mode), RecordingGate(engine, ledger, streaming=mode == "streaming"))
+    weights = _weights()
+    norm = "model.norm.weight"
+    with WeightPublisher([rx.endpoint], config=_config()) as publisher:
+        dense = publisher.publish(weights, version=1)
+        for name, tensor in weights.items():
+            if name != norm:
+                _step({name: tensor}, seed=2)
+        report = publisher.publish(weights, version=2)
+    first, second = ledger.records()
+    assert first.delta_base == 0 and first.groups == dense.delta["groups"]
+    assert first.groups["mlp"] == {"wire_bytes": 3 * 64 * 256 * 2, "dense_bytes": 3 * 64 * 256 * 2, "density": 0.0}
+    assert second.delta_base == 1 and report.delta["mode"] == "delta"
+    assert (second.wire_bytes, second.dense_bytes, second.density) == (report.delta["wire_bytes"], report.delta["dense_bytes"], report.delta["density"])
+    assert second.groups == report.delta["groups"] and set(second.groups) == {"mlp", "norm"}
+    assert 0.009 <= second.groups["mlp"]["density"] <= 0.011 and second.groups["norm"]["density"] == 0.0
+    assert second.groups["norm"]["wire_bytes"] == 0 and second.groups["mlp"]["wire_bytes"] < 0.05 * second.groups["mlp"]["dense_bytes"]
+
+
+def test_a_delta_publish_is_pipelined_bucket_by_bucket(start_receiver: Any) -> None:
+    """When the engine loads bucket 0 of a delta (streaming), the publisher has packed only the buckets the
+    engine's credits let it send, not the whole version: each bucket is packed, encoded and sent in turn.
+    Packing reads each tensor through ``detach`` (trainer_side.packing.materialize), last: a tensor counts as
+    packed once its last ``detach`` of the publish is done."""
+    import torch
+
+    from trainer_side import WeightPublisher
+
+    detached: dict[str, list[float]] = {}
+
+    class Counted(torch.Tensor):
+        def detach(self) -> Any:  # type: ignore[override]
+            detached.setdefault(self.label, []).append(time.monotonic())  # type: ignore[attr-defined]
+            return torch.Tensor.detach(self).as_subclass(torch.Tensor)
+
+    def counted(weights: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, tensor in weights.items():
+            out[name] = tensor.as_subclass(Counted)
+            out[name].label = name
+        return out
+
+    first_load: list[float] = []
+
+    def on_load(manifest: wire.Manifest, bucket: Any) -> None:
+        if manifest.version == 2 and bucket.index == 0:
+            time.sleep(0.3)  # the publisher meanwhile packs what its credits allow, and no more
+            first_load.append(time.monotonic())
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {f"model.layers.{i}.mlp.down_proj.weight": (0.02 * torch.randn(64, 256, generator=gen)).bfloat16() for i in range(12)}
+    rx = start_receiver(_config(mode="streaming"), FakeEngine(keep="bytes", on_load=on_load))
+    with WeightPublisher([rx.endpoint], config=_config()) as publisher:  # one tensor per bucket, depth 2
+        publisher.publish(weights, version=1)
+        _step(weights, seed=1)
+        detached.clear()
+        report = publisher.publish(counted(weights), version=2)
+    assert report.ok and report.delta["mode"] == "delta" and report.delta["dense_buckets"] == 0, report.delta
+    assert len(detached) == 12 and first_load, detached
+    packed_before = sum(1 for times in detached.values() if times[-1] < first_load[0])
+    assert packed_before <= 4, f"{packed_before} of 12 buckets were packed before the engine loaded bucket 0"
+    assert rx.gate.received[2].keys() == weights.keys()

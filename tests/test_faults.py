@@ -29,8 +29,8 @@ pytestmark = pytest.mark.engine
 
 # Tiny buckets (the tiny model makes ~40 of them) and short deadlines so faults are found in seconds.
 CONFIG: dict[str, Any] = {
-    # the dense stream, packed bucket by bucket as it is sent: with sync.delta a publisher snapshots the whole
-    # version before its first bucket goes out, so a kill or cut "mid-stream" would land before any byte did
+    # the plain dense stream (sync.delta off), whose packing slow_packing slows (trainer_side.publisher's
+    # pack_bucket) so that a kill or cut lands mid-stream; deltas are faulted in tests/test_delta_updates.py
     "sync": {"delta": False},
     "transport": {"bucket_mb": 0.02, "depth": 2},
     "deadlines": {"connect_s": 10, "manifest_s": 10, "bucket_s": 3, "heartbeat_s": 0.5},

@@ -8,6 +8,7 @@ examples, no example database kept.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge import PROTOCOL_VERSION, wire
+from bridge.delta import BucketDelta, DeltaEntry, DeltaManifest, DeltaSpec
 from bridge.errors import ManifestError, WireError
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,8 +51,14 @@ _ADAPTER = wire.Manifest(
         "r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "bias": "none", "rank_pattern": {}}),
     tensors=(wire.TensorSpec("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "bfloat16", (2, 8), 0, 0, 32),
              wire.TensorSpec("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", "bfloat16", (8, 2), 0, 64, 32)))
+_PATCH = DeltaSpec(name="model.layers.0.self_attn.sinks", dtype="float32", shape=(4,), encoding="sparse", codec="none",
+                   base_version=4, base_checksum=9, result_checksum=10, checksum="crc32", nbytes=8, dense_nbytes=16, changed=1)
+_DELTA = replace(_MANIFEST, delta=DeltaManifest(4, (1, 9, 3, 4)))
+_TABLE = BucketDelta(72, (DeltaEntry(0, 64, 7), DeltaEntry(64, 8, 10, _PATCH)))
 SAMPLES: list[wire.Message] = [
     wire.Hello(publisher="trainer"),
+    wire.Begin(_DELTA),
+    wire.BucketHeader(version=5, index=0, checksums=(7, 11), delta=_TABLE),
     wire.EngineInfo(dtype="bfloat16", version=4, tp_size=2, transports=("zmq", "shm"), host="h"),
     wire.Begin(_MANIFEST),
     wire.Begin(_ADAPTER),
@@ -160,7 +168,8 @@ def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 def test_decode_valid_message_with_one_field_replaced(data: st.DataObject) -> None:
     """Take a valid header, replace one node anywhere in it (a field, a tensor entry, a dim, a probe
     logprob, the probe itself...) with an arbitrary value, or delete a map key."""
-    tree = _wire_dict(data.draw(st.sampled_from([*SAMPLES, *[wire.Begin(_MANIFEST)] * 4, *[wire.Begin(_ADAPTER)] * 2])))  # manifests: most nodes
+    tree = _wire_dict(data.draw(st.sampled_from([*SAMPLES, *[wire.Begin(_MANIFEST)] * 4, *[wire.Begin(_ADAPTER)] * 2, wire.Begin(_DELTA),
+                                                   wire.BucketHeader(version=5, index=0, checksums=(7, 11), delta=_TABLE)])))  # manifests: most nodes
     path = data.draw(st.sampled_from(_paths(tree)))
     if not path:
         tree = data.draw(VALUES)
@@ -372,3 +381,8 @@ def test_ten_thousand_deep_list_is_wire_error() -> None:
     data = b"\x91" * 10_000 + b"\x00"
     with pytest.raises(WireError, match="malformed or truncated header: StackError"):
         wire.decode(data)
+
+
+def test_delta_samples_are_consistent() -> None:
+    """The delta samples the fuzzers mutate are what a receiver accepts (so the mutations test the checks)."""
+    _TABLE.check(_DELTA, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -124,15 +125,33 @@ def test_wire_bytes_and_density_follow_delta_syncs() -> None:
     full bytes. The gauges show the latest delivered sync: its wire/dense ratio and the changed share."""
     hub = MetricsHub()
     hub.observe(ok_record("a", 1, 1.0, nbytes=2 * GB))
-    assert (value(hub, "weight_bridge_sync_wire_ratio", engine="a"), value(hub, "weight_bridge_sync_delta_density", engine="a")) == (1.0, 0.0)
+    assert (value(hub, "weight_bridge_sync_wire_ratio", engine="a"), value(hub, "weight_bridge_sync_delta_density", engine="a", group="all")) == (1.0, 0.0)
     hub.observe(ok_record("a", 2, 2.0, nbytes=2 * GB, delta_base=1))
     hub.observe(stale_record("a", 3, 3.0))  # failed: nothing delivered, the gauges keep the delta's figures
     assert value(hub, "weight_bridge_sync_wire_bytes_total", engine="a") == 2 * GB + 2 * GB // 100
     assert value(hub, "weight_bridge_sync_bytes_total", engine="a") == 4 * GB
     assert value(hub, "weight_bridge_sync_wire_ratio", engine="a") == 0.01
-    assert value(hub, "weight_bridge_sync_delta_density", engine="a") == 0.01
+    assert value(hub, "weight_bridge_sync_delta_density", engine="a", group="all") == 0.01
     last = hub.engines()["engines"][0]["last_sync"]
     assert last["version"] == 3 and (last["delta_base"], last["wire_bytes"]) == (0, 2 * GB)
+
+
+def test_density_per_tensor_group_follows_delta_syncs() -> None:
+    """``weight_bridge_sync_delta_density{engine, group}``: each group the latest delta sync patched; a dense sync
+    after it shows 0 for every group; a group name that is not a known one (the record came over the wire) is
+    not a label."""
+    hub = MetricsHub()
+    record = ok_record("a", 2, 2.0, delta_base=1)
+    hub.observe(replace(record, groups={**record.groups, "x" * 300: {"wire_bytes": 1, "dense_bytes": 2, "density": 0.5},
+                                        "norm": {"density": "high"}}))
+    assert value(hub, "weight_bridge_sync_delta_density", engine="a", group="attn") == 0.012
+    assert value(hub, "weight_bridge_sync_delta_density", engine="a", group="mlp") == 0.0093
+    groups = {s.labels["group"] for f in families(hub).values() for s in f.samples if s.name == "weight_bridge_sync_delta_density"}
+    assert groups == {"all", "attn", "mlp"}
+    assert hub.engines()["engines"][0]["last_sync"]["groups"]["attn"] == {"wire_bytes": 2 * GB // 400, "dense_bytes": 2 * GB // 4,
+                                                                       "density": 0.012}
+    hub.observe(ok_record("a", 3, 3.0))
+    assert [value(hub, "weight_bridge_sync_delta_density", engine="a", group=g) for g in ("all", "attn", "mlp")] == [0.0, 0.0, 0.0]
 
 
 def test_latest_sync_gauges_stale_identity_probe() -> None:

@@ -124,7 +124,7 @@ REJECT: list[tuple[str, bytes, type[WireError], str]] = [
     ("int-map-key", _pack({"type": "end", 1: 2}), WireError, "malformed or truncated"),
     ("ext-type", _pack({"type": "end", "x": msgpack.ExtType(5, b"ab")}), WireError, "malformed or truncated"),
     ("protocol-1", _with_tensors([T], [16], protocol=1), WireError, "unknown protocol version 1"),
-    ("protocol-3", _with_tensors([T], [16], protocol=3), WireError, "unknown protocol version 3"),
+    ("protocol-4", _with_tensors([T], [16], protocol=4), WireError, "unknown protocol version 4"),
     ("protocol-missing", _with_tensors([T], [16], protocol=None), WireError, "unknown protocol version None"),
     ("adapter-not-map", _with_tensors([T], [16], adapter=[1]), WireError, "manifest.adapter must be a map"),
     ("adapter-bad-name", _with_tensors([T], [16], adapter={"name": "../x", "config": {"r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]}}),

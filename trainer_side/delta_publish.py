@@ -1,23 +1,34 @@
-"""Delta updates on the publisher's side: the bases it keeps, the patches it encodes, the dense resend to
-engines that refuse them (docs/delta.md).
+"""Delta updates on the publisher's side: the bases it keeps, the patches it encodes bucket by bucket, the dense
+resend to engines that refuse them (docs/delta.md).
 
-Memory: the publisher keeps the last version every engine applied, packed as it went on the wire (every
-tensor in the wire dtype, ``Manifest.total_bytes``): **one model of host RAM between publishes, two while it
-publishes** (the bases and the version being sent), plus the encoded patches (a few % of a model at RL
-densities). On a GPU trainer the bases are in host memory already: packing copies each tensor to the host.
+One publish with deltas on (``sync.delta: true``):
 
-One publish with deltas on (``sync.delta: true``) and a base kept:
+1. **Up front**, before ``Begin``: the update goes as a delta when a base is kept (the last version every
+   engine applied) with the same tensors in the same layout and checksum algorithm, older than this version,
+   and at most ``DELTA_MAX_CHANGED`` of the elements changed, estimated on one element in ``SAMPLE_STRIDE``
+   read from the trainer's tensors (cast to the wire dtype) and the base (``plan_update``). The manifest then
+   names the base version and each tensor's base checksum, which the engines check at ``Begin``.
+2. **Bucket by bucket**, while the previous one is on the wire: bucket *i* is packed into host memory (the
+   new version, and its checksums); each tensor is encoded against its base (``bridge.delta.encode_bytes``,
+   the checksums passed, not rehashed) and sends its patch when that is smaller than its bytes; the wire
+   bucket (each payload 64-byte aligned, its table of patches in the header) is copied into the plane's
+   buffer. A bucket whose patches would not be at most ``DELTA_MAX_RATIO`` of its bytes (or more than
+   ``DELTA_MAX_CHANGED`` of whose sampled elements changed: the estimate was wrong) goes whole, straight
+   from the packed bytes where the plane can send them without a copy (``SendPlane.borrow``: ZMQ, gloo).
+   The base's bucket *i* is then let go: its buffer takes a later bucket.
+3. An engine that does not serve the base refuses the delta with kind ``base`` before any payload, and is
+   then sent the same version dense from the packed bytes (``EngineReport.dense_fallback`` names why).
+4. Once every engine applied the version, its packed bytes are the next base; a failure anywhere drops the
+   base (the next publish goes dense to all).
 
-1. every bucket is packed into host memory (the new version and its checksums);
-2. each tensor is compared with its base bit for bit and, when few enough elements changed (at most
-   ``DELTA_MAX_CHANGED`` of the update's, estimated on a sample), encoded (``bridge.delta.encode_bytes``: sparse, xor or dense,
-   the smallest); each sends its patch when that is smaller than its bytes, and the update goes as a delta
-   only if the bytes on the wire are at most ``DELTA_MAX_RATIO`` of dense (``plan_deltas``);
-3. the delta goes to every engine; an engine that does not serve the base refuses it with kind ``base``
-   before any payload, and is then sent the same version dense, its ``EngineReport.dense_fallback`` naming
-   why;
-4. once every engine applied the version it becomes the base; a failure anywhere drops the base (the next
-   publish goes dense to all).
+A dense publish while deltas are on (no base, or the estimate says dense) packs into host memory that
+becomes the next base (reusing the old base's buffers) and sends it from there: no copy over the plain
+dense path with ZMQ and gloo, one copy into the segment with shm.
+
+Memory: **one model of host RAM in the wire dtype** (``Manifest.total_bytes``; ``base_bytes``), during a
+publish too, since new bucket *i* replaces old bucket *i* as it is packed, plus the buckets in flight (the
+plane's buffers, as for a dense update) and one bucket's worth of encoded patches and spare buffer. On a GPU
+trainer the bases are in host memory already: packing copies each tensor to the host.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from bridge import checksums, wire
 from bridge.config import BridgeConfig
-from bridge.delta import DeltaEntry, DeltaManifest, DeltaTensor, encode_bytes, plan_deltas
+from bridge.delta import BucketDelta, DeltaEntry, DeltaManifest, encode_bytes, update_telemetry
 from bridge.report import FailureKind
 from bridge.sender import PublishReport, UpdateSender
 from bridge.transports.base import OutgoingBucket, SendPlane
@@ -37,124 +48,149 @@ from trainer_side.packing import PackPlan, pack_bucket
 if TYPE_CHECKING:
     import numpy as np
 
-# an update goes as a delta only when its bytes on the wire are at most this share of dense: a delta that
-# saves less is not worth depending on the engines' base (nor the encode and rebuild time)
+# a bucket goes as patches only when its bytes on the wire are at most this share of its dense bytes: a delta
+# that saves less is not worth the encode and the rebuild
 DELTA_MAX_RATIO = 0.5
-# above this share of changed elements (over the whole update) nothing is encoded: a new model, or random
-# weights; checked with one pass of comparisons before spending the compression
+# above this share of changed elements (over the whole update, and then per bucket) nothing is encoded: a new
+# model, or random weights; checked on a sample before spending the compression
 DELTA_MAX_CHANGED = 0.5
 SAMPLE_STRIDE = 61  # elements compared for that check: one in 61 (prime: no alignment with rows of a power of 2)
 
 
 @dataclass
 class Snapshot:
-    """One version packed in host memory: every full bucket of ``manifest`` and each tensor's checksum."""
+    """One version packed in host memory: per full bucket of ``manifest`` its bytes (a uint8 CPU torch tensor;
+    None: not packed, or given up) and its tensors' checksums in manifest order."""
 
     manifest: wire.Manifest
-    buffers: list[Any]  # per bucket, a flat uint8 numpy array of its bytes
-    sums: list[tuple[int, ...]]  # per bucket, its tensors' checksums in manifest order
+    buffers: list[Any]
+    sums: list[tuple[int, ...]]
+
+    @classmethod
+    def empty(cls, manifest: wire.Manifest) -> Snapshot:
+        n = len(manifest.bucket_sizes)
+        return cls(manifest, [None] * n, [()] * n)
+
+    @property
+    def complete(self) -> bool:
+        return all(b is not None for b in self.buffers)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return sum(int(b.numel()) for b in self.buffers if b is not None)
 
     def tensor(self, spec: wire.TensorSpec) -> np.ndarray:
-        return self.buffers[spec.bucket][spec.offset:spec.offset + spec.nbytes]
+        return self.buffers[spec.bucket].numpy()[spec.offset:spec.offset + spec.nbytes]
 
     def checksums(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for specs, sums in zip(self.manifest.by_bucket(), self.sums, strict=True):
-            out.update(zip((s.name for s in specs), sums, strict=True))
+            out.update(zip((s.name for s in specs), sums, strict=False))
         return out
 
 
-def snapshot(manifest: wire.Manifest, plan: PackPlan, tensors: list[Any]) -> Snapshot:
-    """Pack every bucket of ``manifest`` (laid out by ``plan``) into new host buffers, summing each tensor."""
+class Buffers:
+    """Host buffers to pack buckets into: fresh, or handed back (a base bucket no longer needed). ``take``
+    returns the smallest free one that fits, cut to size, so a publish reuses warm pages."""
+
+    def __init__(self, free: list[Any] | None = None) -> None:
+        self.free = [b for b in (free or []) if b is not None]
+
+    def take(self, size: int) -> Any:
+        import torch
+
+        fits = [b for b in self.free if b.numel() >= size]
+        if not fits:
+            return torch.empty(size, dtype=torch.uint8)
+        best = min(fits, key=lambda b: b.numel())
+        self.free.remove(best)
+        return best[:size]
+
+    def give(self, buffer: Any) -> None:
+        if buffer is not None:
+            self.free.append(buffer)
+
+
+def plan_update(base: Snapshot | None, manifest: wire.Manifest, plan: PackPlan, tensors: list[Any],
+                max_changed: float = DELTA_MAX_CHANGED) -> str:
+    """Decided before ``Begin``: "" when ``manifest`` goes as a delta against ``base``, else why it goes dense
+    (no base, not newer, another layout or checksum algorithm, or too many elements changed: estimated on
+    every ``SAMPLE_STRIDE``-th element of each tensor, cast to its wire dtype as packing casts it, against
+    the base's bytes; a DTensor is left out of the sample, as gathering it twice would cost a collective)."""
     import torch
 
-    buffers, sums = [], []
-    for index, size in enumerate(manifest.bucket_sizes):
-        buffer = torch.empty(size, dtype=torch.uint8)
-        sums.append(tuple(pack_bucket(plan, tensors, index, buffer, checksum=manifest.checksum)))
-        buffers.append(buffer.numpy())
-    return Snapshot(manifest, buffers, sums)
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A delta update ready to send: its ``DeltaManifest``, each wire bucket's payloads (offset, bytes) and
-    their checksums (what the bucket headers carry), and the plan's summary (telemetry)."""
-
-    delta: DeltaManifest
-    payloads: tuple[tuple[tuple[int, Any], ...], ...]
-    sums: tuple[tuple[int, ...], ...]
-    summary: dict[str, Any]
+    if base is None:
+        return "no base: the first update of this publisher, or the last one failed on an engine"
+    bm = base.manifest
+    if bm.version >= manifest.version:
+        return f"version {manifest.version} is not newer than the base version {bm.version} (the engines answer it as served)"
+    if manifest.checksum in ("", "none") or manifest.checksum != bm.checksum:
+        return f"checksums {manifest.checksum} (the base's: {bm.checksum}): a delta needs the same algorithm on both"
+    if bm.tensors != manifest.tensors or bm.bucket_sizes != manifest.bucket_sizes or not base.complete:
+        return f"the tensors (names, dtypes, shapes, layout) differ from the base version {bm.version}'s"
+    numel = changed = 0
+    for spec, tensor in zip(manifest.tensors, tensors, strict=True):  # plan_specs keeps the plan's order
+        if hasattr(tensor, "full_tensor") or spec.nbytes == 0:
+            continue
+        width = wire.DTYPE_SIZES[spec.dtype]
+        strided = tensor.detach().reshape(-1)[::SAMPLE_STRIDE]
+        sample = torch.empty(strided.numel(), dtype=getattr(torch, spec.dtype))  # stride 1, on the host
+        sample.copy_(strided)  # cast as packing casts
+        new_bits = sample.view(torch.uint8).numpy().view(f"<u{width}")
+        old_bits = base.tensor(spec).view(f"<u{width}")[::SAMPLE_STRIDE]
+        changed += int((old_bits != new_bits).sum())
+        numel += old_bits.size
+    if numel and changed > max_changed * numel:
+        return f"about {changed / numel:.1%} of the elements changed since version {bm.version} (above {max_changed:.0%}: dense)"
+    return ""
 
 
 def _align(n: int) -> int:
     return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
 
 
-def encode(base: Snapshot, new: Snapshot, max_ratio: float = DELTA_MAX_RATIO,
-           max_changed: float = DELTA_MAX_CHANGED) -> Encoded | str:
-    """``new`` as patches against ``base`` (the version the engines serve), or the reason it goes dense: the
-    tensors differ (names, dtypes, shapes), the checksums differ in algorithm or are off, too many elements
-    changed, or the patches would not save enough."""
+def encode_bucket(base: Snapshot, new: Snapshot, index: int, max_ratio: float = DELTA_MAX_RATIO,
+                  max_changed: float = DELTA_MAX_CHANGED) -> tuple[BucketDelta, list[tuple[int, Any]], tuple[int, ...]] | None:
+    """Full bucket ``index`` of ``new`` (packed) as patches against the same bucket of ``base``: its table, its
+    payloads (offset, bytes) and their checksums (what the header carries); None when it goes whole (more
+    than ``max_changed`` of its sampled elements changed, or the patches would be above ``max_ratio`` of its
+    bytes). A tensor sends its patch when that is smaller than its bytes, else its bytes."""
     import numpy as np
 
-    bm, nm = base.manifest, new.manifest
-    if bm.version >= nm.version:
-        return f"version {nm.version} is not newer than the base version {bm.version} (the engines answer it as served)"
-    if nm.checksum in ("", "none") or nm.checksum != bm.checksum:
-        return f"checksums {nm.checksum} (the base's: {bm.checksum}): a delta needs the same algorithm on both"
-    if [(t.name, t.dtype, t.shape) for t in bm.tensors] != [(t.name, t.dtype, t.shape) for t in nm.tensors]:
-        return f"the tensors (names, dtypes, shapes) differ from the base version {bm.version}'s"
-    base_specs = {t.name: t for t in bm.tensors}
+    manifest = new.manifest
+    specs = manifest.by_bucket()[index]
+    old_buf, new_buf = base.buffers[index].numpy(), new.buffers[index].numpy()
     numel = changed = 0
-    for spec in nm.tensors:  # an estimate on every SAMPLE_STRIDE-th element: a fraction of a pass over memory
+    for spec in specs:
         width = wire.DTYPE_SIZES[spec.dtype]
-        old_bits = base.tensor(base_specs[spec.name]).view(f"<u{width}")[::SAMPLE_STRIDE]
-        changed += int(np.count_nonzero(old_bits != new.tensor(spec).view(f"<u{width}")[::SAMPLE_STRIDE]))
+        old_bits = old_buf[spec.offset:spec.offset + spec.nbytes].view(f"<u{width}")[::SAMPLE_STRIDE]
+        changed += int(np.count_nonzero(old_bits != new_buf[spec.offset:spec.offset + spec.nbytes].view(f"<u{width}")[::SAMPLE_STRIDE]))
         numel += old_bits.size
     if numel and changed > max_changed * numel:
-        return f"about {changed / numel:.1%} of the elements changed since version {bm.version} (above {max_changed:.0%}: dense)"
-    base_sums, new_sums = base.checksums(), new.checksums()
-    deltas: list[DeltaTensor] = []
-    for spec in nm.tensors:
-        deltas.append(encode_bytes(base.tensor(base_specs[spec.name]), new.tensor(spec), name=spec.name, dtype=spec.dtype,
-                                   shape=spec.shape, base_version=bm.version, checksum=nm.checksum,
-                                   base_checksum=base_sums[spec.name]))
-    plan = plan_deltas([d.spec for d in deltas], max_ratio)
-    if plan.mode == "dense":
-        return f"the patches would be {sum(d.spec.nbytes for d in deltas) / max(plan.dense_bytes, 1):.1%} of dense (above {max_ratio:.0%})"
-    send = {c.name: c.send == "delta" for c in plan.choices}
-    by_name = {d.spec.name: d for d in deltas}
-    fn = checksums.function(nm.checksum)
-    entries: dict[str, DeltaEntry] = {}
-    payloads, sums, sizes = [], [], []
-    for specs in nm.by_bucket():
-        offset, items, bucket_sums = 0, [], []
-        for spec in specs:
-            if send[spec.name]:
-                d = by_name[spec.name]
-                data: Any = d.payload
-                entry = DeltaEntry(offset, d.spec.nbytes, new_sums[spec.name], d.spec)
-                bucket_sums.append(fn(data))
-            else:
-                data = new.tensor(spec)
-                entry = DeltaEntry(offset, spec.nbytes, new_sums[spec.name])
-                bucket_sums.append(new_sums[spec.name])
-            entries[spec.name] = entry
-            items.append((offset, data))
-            offset = _align(offset + entry.nbytes)
-        payloads.append(tuple(items))
-        sums.append(tuple(bucket_sums))
-        sizes.append(max(offset, wire.ALIGN))
-    delta = DeltaManifest(bm.version, tuple(sizes), tuple(entries[t.name] for t in nm.tensors))
-    patched = sum(d.spec.numel for d in deltas)
-    summary = {**plan.summary(), "base_version": bm.version,
-               "density": round(sum(d.spec.changed for d in deltas) / patched, 6) if patched else 0.0}
-    return Encoded(delta, tuple(payloads), tuple(sums), summary)
+        return None
+    fn = checksums.function(manifest.checksum)
+    entries, items, sums = [], [], []
+    offset = dense = 0
+    for spec, base_sum, new_sum in zip(specs, base.sums[index], new.sums[index], strict=True):
+        old_bytes, new_bytes = base.tensor(spec), new.tensor(spec)
+        d = encode_bytes(old_bytes, new_bytes, name=spec.name, dtype=spec.dtype, shape=spec.shape,
+                         base_version=base.manifest.version, checksum=manifest.checksum, base_checksum=base_sum,
+                         result_checksum=new_sum)
+        data: Any
+        if d.spec.nbytes < spec.nbytes:
+            entry, data, data_sum = DeltaEntry(offset, d.spec.nbytes, new_sum, d.spec), d.payload, fn(d.payload)
+        else:
+            entry, data, data_sum = DeltaEntry(offset, spec.nbytes, new_sum), new_bytes, new_sum
+        entries.append(entry)
+        items.append((offset, data))
+        sums.append(data_sum)
+        dense += spec.nbytes
+        offset = _align(offset + entry.nbytes)
+    wire_bytes = sum(e.nbytes for e in entries)
+    if dense and wire_bytes > max_ratio * dense:
+        return None
+    size = min(max(offset, wire.ALIGN), manifest.bucket_sizes[index])
+    return BucketDelta(size, tuple(entries)), items, tuple(sums)
 
 
 class DeltaSender(UpdateSender):
@@ -164,7 +200,6 @@ class DeltaSender(UpdateSender):
     def __init__(self, endpoints: list[str] | str, config: BridgeConfig | str | None = None, **kwargs: Any) -> None:
         super().__init__(endpoints, config, **kwargs)
         self.bases: Snapshot | None = None  # the last version every engine applied (sync.delta: true)
-        self._pending: Snapshot | None = None  # the version being published: the bases once every engine applied it
 
     @property
     def base_bytes(self) -> int:
@@ -174,64 +209,94 @@ class DeltaSender(UpdateSender):
     def _publish_delta(self, manifest: wire.Manifest, plan: PackPlan, tensors: list[Any], t_start: float) -> PublishReport:
         """Publish ``manifest`` (full layout of ``plan``): as a delta against the bases where it pays and the
         engines serve them, else dense; raise UpdateFailed unless every engine applied it (module doc)."""
-        try:
-            report = self._send_delta(manifest, plan, tensors, t_start)
-        except BaseException:
-            self.bases = self._pending = None  # what the engines serve is unknown
-            raise
-        self.bases = self._pending if report.ok else None
-        self._pending = None
+        base, self.bases = self.bases, None  # its buffers go to the new version bucket by bucket
+        new = Snapshot.empty(manifest)
+        report = self._send_delta(base, new, manifest, plan, tensors, t_start)
+        self.bases = new if report.ok and new.complete else None
         self._raise_failed(report)
         return report
 
-    def _send_delta(self, manifest: wire.Manifest, plan: PackPlan, tensors: list[Any], t_start: float) -> PublishReport:
+    def _active(self) -> bool:
+        """Some engine still takes the update being sent (none refused it or failed yet)."""
+        return any(p.ack is None for p in self._peers)
+
+    def _send_delta(self, base: Snapshot | None, new: Snapshot, manifest: wire.Manifest, plan: PackPlan,
+                    tensors: list[Any], t_start: float) -> PublishReport:
         t0 = time.perf_counter()
-        new = self._pending = snapshot(manifest, plan, tensors)
-        encoded = encode(self.bases, new) if self.bases is not None else (
-            "no base: the first update of this publisher, or the last one failed on an engine")
-        encode_s = time.perf_counter() - t0
+        why = plan_update(base, manifest, plan, tensors)
+        sample_s = time.perf_counter() - t0
+        plane = self._plane()
         dense = manifest.total_bytes
-        if isinstance(encoded, str):
-            report = self._stream_report(manifest, self._plane(), _dense_producer(self._plane(), new), t_start)
-            telemetry: dict[str, Any] = {"mode": "dense", "why": encoded, "wire_bytes": dense, "dense_bytes": dense, "ratio": 1.0}
-            return replace(report, seconds={**report.seconds, "encode": encode_s}, delta=telemetry)
-        report = self._stream_report(replace(manifest, delta=encoded.delta), self._plane(),
-                                     _delta_producer(self._plane(), encoded), t_start)
+        if why:
+            buffers = Buffers(base.buffers if base is not None else None)  # the old base's bytes are not needed
+            report = self._stream_report(manifest, plane, _whole_producer(plane, new, plan, tensors, buffers), t_start)
+            telemetry = {**update_telemetry(manifest, ()), "mode": "dense", "why": why, "ratio": 1.0}
+            return replace(report, seconds={**report.seconds, "sample": sample_s}, delta=telemetry)
+        assert base is not None
+        tables: list[BucketDelta | None] = [None] * len(manifest.bucket_sizes)
+        timing = {"encode": 0.0}
+        buffers = Buffers()
+
+        def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
+            buffer = buffers.take(size)
+            new.buffers[index] = buffer
+            new.sums[index] = tuple(pack_bucket(plan, tensors, index, buffer, checksum=manifest.checksum))
+            t_enc = time.perf_counter()
+            encoded = encode_bucket(base, new, index) if self._active() else None
+            timing["encode"] += time.perf_counter() - t_enc
+            buffers.give(base.buffers[index])  # the old bucket is not needed any more: it takes a later one
+            base.buffers[index] = None
+            if encoded is None:
+                return _send_whole(plane, index, buffer), new.sums[index]
+            table, items, sums = encoded
+            tables[index] = table
+            out = plane.allocate(index, table.size)
+            view = out.numpy()
+            for offset, data in items:
+                raw = data if not isinstance(data, bytes | bytearray | memoryview) else memoryview(data)
+                view[offset:offset + len(raw)] = raw
+            return replace(plane.seal(index, out), delta=table), sums
+
+        delta_manifest = replace(manifest, delta=DeltaManifest(base.manifest.version, tuple(base.checksums()[t.name] for t in manifest.tensors)))
+        report = self._stream_report(delta_manifest, plane, produce, t_start)
         refused = {e.endpoint: e.reason for e in report.engines if e.kind == FailureKind.BASE}
-        wire_bytes = encoded.delta.wire_bytes
+        telemetry = update_telemetry(manifest, tables, base.manifest.version)
+        wire_bytes = telemetry["wire_bytes"] * (len(report.engines) - len(refused))
         if refused:  # those engines do not serve the base: the same version, dense
             with self._only(refused):
-                again = self._stream_report(manifest, self._plane(), _dense_producer(self._plane(), new), time.perf_counter())
+                again = self._stream_report(manifest, plane, _whole_producer(plane, new, plan, tensors, buffers), time.perf_counter())
             resent = {e.endpoint: replace(e, dense_fallback=refused[e.endpoint]) for e in again.engines}
             report = replace(report, engines=tuple(resent.get(e.endpoint, e) for e in report.engines))
             wire_bytes += dense * len(refused)
-        telemetry = {**encoded.summary, "mode": "delta", "dense_fallback": refused,
-                     "wire_bytes_all_engines": wire_bytes}
-        return replace(report, seconds={**report.seconds, "encode": encode_s}, delta=telemetry)
+        telemetry = {**telemetry, "mode": "delta", "base_version": base.manifest.version,
+                     "ratio": round(telemetry["wire_bytes"] / dense, 6) if dense else 1.0,
+                     "tensors": len(manifest.tensors), "dense_buckets": sum(1 for t in tables if t is None),
+                     "dense_fallback": refused, "wire_bytes_all_engines": wire_bytes}
+        return replace(report, seconds={**report.seconds, "encode": timing["encode"], "sample": sample_s}, delta=telemetry)
 
 
-def _dense_producer(plane: SendPlane, new: Snapshot) -> Any:
-    """Bucket ``index`` of ``new`` as it is (full tensors), copied from the snapshot into the plane's buffer."""
+def _send_whole(plane: SendPlane, index: int, buffer: Any) -> OutgoingBucket:
+    """Packed bucket ``index`` as it is: sent from ``buffer`` itself where the plane can, else copied into
+    the plane's buffer."""
+    out = plane.borrow(index, buffer)
+    if out is not None:
+        return out
+    target = plane.allocate(index, int(buffer.numel()))
+    if buffer.numel():
+        target.copy_(buffer)
+    return plane.seal(index, target)
+
+
+def _whole_producer(plane: SendPlane, new: Snapshot, plan: PackPlan, tensors: list[Any], buffers: Buffers) -> Any:
+    """Bucket ``index`` of ``new`` whole (full tensors), packed first if it is not yet (into a buffer from
+    ``buffers``, kept in ``new``: the next base)."""
 
     def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
-        buffer = plane.allocate(index, size)
-        if size:
-            buffer.numpy()[:size] = new.buffers[index]
-        return plane.seal(index, buffer), new.sums[index]
+        if new.buffers[index] is None:
+            buffer = buffers.take(size)
+            new.sums[index] = tuple(pack_bucket(plan, tensors, index, buffer, checksum=new.manifest.checksum))
+            new.buffers[index] = buffer
+        return _send_whole(plane, index, new.buffers[index]), new.sums[index]
 
     return produce
 
-
-def _delta_producer(plane: SendPlane, encoded: Encoded) -> Any:
-    """Wire bucket ``index`` of ``encoded``: its payloads at their offsets, with their checksums."""
-    import numpy as np
-
-    def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
-        buffer = plane.allocate(index, size)
-        out = buffer.numpy()
-        for offset, data in encoded.payloads[index]:
-            raw = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes | bytearray | memoryview) else data
-            out[offset:offset + raw.nbytes] = raw
-        return plane.seal(index, buffer), encoded.sums[index]
-
-    return produce

@@ -26,7 +26,7 @@ class WeightPublisher(DeltaSender):
     """Publishes weight versions to one or more inference endpoints (``tcp://host:port``).
 
     With ``sync.delta`` (the default) it keeps the last version every engine applied (one model of host RAM
-    in the wire dtype, two while publishing; ``base_bytes``) and sends each tensor as a patch against it when
+    in the wire dtype, also while publishing, plus the buckets in flight; ``base_bytes``) and sends each tensor as a patch against it when
     that pays; an engine that does not serve that base gets the version dense (trainer_side/delta_publish.py)."""
 
     # ---- publish ------------------------------------------------------------------------------

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class OutgoingBucket:
     """A packed bucket: ``tensor`` is a uint8 torch view of its bytes; ``frames`` travel after the
-    header (empty when the bytes are reachable by ``segment`` name)."""
+    header (empty when the bytes are reachable by ``segment`` name). ``delta``: the ``BucketDelta`` its
+    header carries (a delta update's bucket of patches; bridge/delta.py), None for full tensors."""
 
     index: int
     tensor: Any
     frames: tuple[Any, ...]
     segment: str = ""
+    delta: Any = None
 
 
 class SendPlane(ABC):
@@ -53,6 +55,13 @@ class SendPlane(ABC):
     @abstractmethod
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         """The packed buffer as it travels."""
+
+    def borrow(self, index: int, tensor: Any) -> OutgoingBucket | None:
+        """Bucket ``index`` as it travels straight from ``tensor`` (a uint8 CPU torch tensor the caller owns and
+        leaves untouched until the update ends), without packing it into a buffer of the plane; None where
+        the plane cannot (shared memory: the bytes must lie in one of its segments), and the caller copies
+        into ``allocate`` instead."""
+        return None
 
     def offers(self, endpoints: list[str]) -> list[Any]:
         """Messages, one per endpoint in order, each receiver must get before the manifest (a collective

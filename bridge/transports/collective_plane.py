@@ -196,6 +196,10 @@ class CollectiveSendPlane(SendPlane):
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         return OutgoingBucket(index, buffer, ())
 
+    def borrow(self, index: int, tensor: Any) -> OutgoingBucket | None:
+        self._settle(self._works.pop(index % self._slots, []), f"bucket {index - self._slots} (slot {index % self._slots})")
+        return OutgoingBucket(index, tensor, ())
+
     def push(self, version: int, out: OutgoingBucket, peer: int) -> None:
         if self._link is None or self._link.pg is None:
             raise TransportError("collective link is not connected")

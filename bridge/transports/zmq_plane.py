@@ -61,6 +61,9 @@ class ZmqSendPlane(SendPlane):
     def seal(self, index: int, buffer: Any) -> OutgoingBucket:
         return OutgoingBucket(index, buffer, (memoryview(buffer.numpy()),))
 
+    def borrow(self, index: int, tensor: Any) -> OutgoingBucket | None:
+        return OutgoingBucket(index, tensor, (memoryview(tensor.numpy()),))
+
     def sent(self, index: int, tracker: Any) -> None:
         if tracker is not None:
             self._trackers.setdefault(index % self._slots, []).append(tracker)
