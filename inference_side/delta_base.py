@@ -50,11 +50,34 @@ class BaseStore:
 
     def keep(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> None:
         """An update of base weights was applied from these staged buckets (full tensors and their verified
-        checksums): copy them (``copy`` then ``commit``)."""
+        checksums): copy them (``take`` each, then ``commit``)."""
         kept: dict[str, tuple[np.ndarray, int]] = {}
         for bucket in buckets:
-            kept.update(copy(bucket))
+            kept.update(self.take(bucket))
         self.commit(manifest, kept, complete=all(len(b.checksums) == len(b.specs) for b in buckets))
+
+    def take(self, bucket: StagedBucket) -> dict[str, tuple[np.ndarray, int]]:
+        """A copy of each tensor of a staged bucket (full tensors, verified) and its checksum, for ``commit``
+        once the update is applied. Called as each bucket is staged, so the copy overlaps the transfer
+        instead of delaying the acknowledgement. A tensor whose base is held at the same size is copied **in
+        place** over it (no new pages: the copy runs at memory speed): its base was read only by its own
+        bucket's rebuild, done by now. The store is then in flux: ``version`` is 0 until ``commit``, so a
+        failed or abandoned update leaves no base, and the next delta is refused (kind ``base``) and resent
+        dense."""
+        import numpy as np
+
+        view = np.frombuffer(bucket.segment.buffer, dtype=np.uint8)
+        out: dict[str, tuple[np.ndarray, int]] = {}
+        for spec, checksum in zip(bucket.specs, bucket.checksums, strict=False):
+            src = view[spec.offset:spec.offset + spec.nbytes]
+            held = self.tensors.get(spec.name)
+            if held is not None and held.nbytes == src.nbytes:
+                self.version = 0  # in flux from here until commit
+                np.copyto(held, src)
+                out[spec.name] = (held, checksum)
+            else:
+                out[spec.name] = (src.copy(), checksum)
+        return out
 
     def commit(self, manifest: wire.Manifest, kept: dict[str, tuple[np.ndarray, int]], complete: bool = True) -> None:
         """The update ``manifest`` was applied; ``kept`` holds a copy of each of its tensors and its checksum
@@ -97,16 +120,6 @@ class BaseStore:
             if held != expected:
                 raise WrongBase(f"tensor {name}: wrong base: the delta applies to version {base} whose {manifest.checksum} is "
                                 f"{expected:#x}, {self.engine} served {held:#x}")
-
-
-def copy(bucket: StagedBucket) -> dict[str, tuple[np.ndarray, int]]:
-    """A copy of each tensor of a staged bucket and the checksum it was verified against (none when the
-    bucket came without checksums)."""
-    import numpy as np
-
-    view = np.frombuffer(bucket.segment.buffer, dtype=np.uint8)
-    return {spec.name: (view[spec.offset:spec.offset + spec.nbytes].copy(), checksum)
-            for spec, checksum in zip(bucket.specs, bucket.checksums, strict=False)}
 
 
 def rebuild(manifest: wire.Manifest, delta: BucketDelta, index: int, wire_bucket: StagedBucket, store: BaseStore,

@@ -34,7 +34,6 @@ from bridge.transports.base import Landed, LandPlane
 from bridge.vllm_shm import sweep_vllm_segments
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.delta_base import BaseStore, rebuild
-from inference_side.delta_base import copy as copy_bucket
 from inference_side.ranges import verify_ranges
 from inference_side.session import Session, remember
 from inference_side.verify import verify_bucket
@@ -129,10 +128,7 @@ class SyncReceiver:
         for bucket in buckets:
             if self.gate.load(manifest, bucket).error:
                 break  # finish reports the failure
-        result = self.gate.finish(manifest, timings)
-        if self.bases is not None and result.ok and not result.report.get("noop"):
-            self.bases.keep(manifest, buckets)  # the next delta's base
-        return result
+        return self.gate.finish(manifest, timings)
 
     def _progress(self, sock: Any, session: Session) -> bool:
         """Streaming: credit back every bucket loaded so far, in order, and free its staging; on a failed
@@ -460,9 +456,9 @@ class SyncReceiver:
             self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
+        if self.bases is not None and m.adapter is None:  # the next delta's base, committed once this one is applied
+            session.kept.update(self.bases.take(session.buckets[index]))
         if session.streaming:
-            if self.bases is not None and m.adapter is None:  # the next delta's base, kept once this one is applied
-                session.kept.update(copy_bucket(session.buckets[index]))
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
             return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
@@ -539,7 +535,7 @@ class SyncReceiver:
                     if result.ok and not result.report.get("noop"):
                         m = session.manifest
                         self._served.record(m.checksum, session.sums, (t.name for t in m.tensors), served_scope(m))
-                        if session.streaming and self.bases is not None:
+                        if self.bases is not None:
                             self.bases.commit(m, session.kept)
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)

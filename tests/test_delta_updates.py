@@ -16,7 +16,7 @@ from bridge.delta import BucketDelta, DeltaEntry, DeltaManifest, encode
 from bridge.errors import ManifestError, UpdateFailed, WireError, WrongBase
 from bridge.report import FailureKind
 from tests.fakes import FakeEngine
-from tests.helpers import wait_until
+from tests.helpers import manifest, spec, wait_until
 
 
 def _weights(seed: int = 0) -> dict[str, Any]:
@@ -269,6 +269,36 @@ def test_base_store_refuses_what_it_does_not_hold() -> None:
     store.algorithm = "xxh3"
     with pytest.raises(WrongBase, match="under xxh3"):
         store.check(manifest)
+
+
+def test_base_store_takes_each_bucket_in_place_and_is_in_flux_until_commit() -> None:
+    """``take`` copies a staged tensor over its held base of the same size (the same array: no new pages) and
+    leaves the store without a version until ``commit``; a tensor of another size gets a new array."""
+    import os
+
+    import numpy as np
+
+    from bridge.shm import Segment
+    from inference_side.contract import StagedBucket
+    from inference_side.delta_base import BaseStore
+
+    a, b = spec("model.a", "float32", (4,), offset=0), spec("model.b", "float32", (2,), offset=64)
+    m = manifest([a, b], [128], version=2)
+    seg = Segment(f"wb-test-take-{os.getpid()}", 128, create=True)
+    try:
+        view = np.frombuffer(seg.buffer, dtype=np.uint8)
+        view[:] = np.arange(128, dtype=np.uint8)
+        store = BaseStore()
+        held_a = np.zeros(16, dtype=np.uint8)
+        store.tensors, store.sums, store.version, store.algorithm = {"model.a": held_a, "model.b": np.zeros(4, np.uint8)}, {}, 1, "crc32"
+        kept = store.take(StagedBucket(0, seg, [a, b], (7, 8)))
+        assert kept["model.a"][0] is held_a and bytes(held_a) == bytes(range(16)), "same size: copied in place"
+        assert kept["model.b"][0] is not store.tensors["model.b"] and bytes(kept["model.b"][0]) == bytes(range(64, 72))
+        assert store.version == 0, "in flux until the update is committed"
+        store.commit(replace(m, checksum="crc32"), kept)
+        assert store.version == 2 and store.sums == {"model.a": 7, "model.b": 8}
+    finally:
+        seg.close()
 
 
 # ---- end to end with a receiver in this process -----------------------------------------------------------------
