@@ -244,6 +244,23 @@ def test_a_bucket_goes_whole_when_its_patches_do_not_pay(case: str) -> None:
     assert encode_bucket(base, snap, 0, max_ratio=1.0, max_changed=1.0) is not None
 
 
+def test_buffers_hand_out_the_smallest_free_buffer_that_fits() -> None:
+    """Several free buffers of different sizes (a model's buckets are not all the same size): ``take`` gives the
+    smallest that fits, cut to size, and a fresh one when none fits."""
+    import torch
+
+    from trainer_side.delta_publish import Buffers
+
+    small, big, mid = (torch.zeros(n, dtype=torch.uint8) for n in (64, 256, 128))
+    pool = Buffers([small, big, mid])
+    got = pool.take(100)
+    assert got.numel() == 100 and got.data_ptr() == mid.data_ptr()
+    got = pool.take(64)
+    assert got.data_ptr() == small.data_ptr()
+    assert pool.take(300).data_ptr() not in (small.data_ptr(), big.data_ptr(), mid.data_ptr())
+    assert [b.numel() for b in pool.free] == [256]
+
+
 # ---- the receiver's base ------------------------------------------------------------------------------------
 
 def test_base_store_refuses_what_it_does_not_hold() -> None:

@@ -99,11 +99,11 @@ class Buffers:
     def take(self, size: int) -> Any:
         import torch
 
-        fits = [b for b in self.free if b.numel() >= size]
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= size]
         if not fits:
             return torch.empty(size, dtype=torch.uint8)
-        best = min(fits, key=lambda b: b.numel())
-        self.free.remove(best)
+        # by position: list.remove would compare tensors with ==, element by element
+        best = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
         return best[:size]
 
     def give(self, buffer: Any) -> None:
