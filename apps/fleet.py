@@ -232,31 +232,35 @@ class Fleet:
         return self.config.replace(transport={"bind_host": "127.0.0.1", "listen_ipc": True})
 
     # ---- membership ------------------------------------------------------------------------------
-    def _relay(self, node: str) -> NodeRelay:
-        """This node's relay, started (and seeded by a peer relay, when the fleet has published) if missing."""
+    def _relays(self, nodes: list[str]) -> None:
+        """Make sure each of ``nodes`` has a live relay: the missing ones are started at once, then each is
+        seeded by a peer relay when the fleet has published (a new node starts at the fleet's version)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from inference_side import RelayActor
 
-        relay = self.relays.get(node)
-        if relay is not None and relay.state == "ready":
-            return relay
-        handle = RelayActor.options(  # type: ignore[attr-defined]
-            namespace=self.namespace, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-        ).remote([], config=self.relay_config(node), name=f"{self.name}-relay-{node[:8]}",
-                 port=self.relay_port + len(self.relays) if self.relay_port else 0, dtype=self.dtype)
-        try:
-            endpoint = str(ray.get(handle.endpoint.remote(), timeout=self.start_timeout_s))
-        except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types for a failed actor start
-            ray.kill(handle)
-            raise FleetError(f"the relay on node {node} did not start: {type(exc).__name__}: {exc}") from exc
-        relay = self.relays[node] = NodeRelay(node, handle, endpoint)
-        peers = [r for r in self.relays.values() if r.state == "ready" and r is not relay]
+        missing = [n for n in dict.fromkeys(nodes) if n not in self.relays or self.relays[n].state != "ready"]
+        peers = [r for r in self.relays.values() if r.state == "ready"]
+        started: dict[str, Any] = {}
+        for node in missing:
+            port = self.relay_port + len(self.relays) + len(started) if self.relay_port else 0
+            started[node] = RelayActor.options(  # type: ignore[attr-defined]
+                namespace=self.namespace, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            ).remote([], config=self.relay_config(node), name=f"{self.name}-relay-{node[:8]}", port=port, dtype=self.dtype)
+        deadline = time.monotonic() + self.start_timeout_s
+        for node, handle in started.items():
+            try:
+                endpoint = str(ray.get(handle.endpoint.remote(), timeout=max(deadline - time.monotonic(), 1.0)))
+            except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types for a failed actor start
+                for other in started.values():
+                    ray.kill(other, no_restart=True)
+                raise FleetError(f"the relay on node {node} did not start: {type(exc).__name__}: {exc}") from exc
+            self.relays[node] = NodeRelay(node, handle, endpoint)
         if self.version and peers:
-            seeded = ray.get(peers[0].handle.seed.remote(endpoint), timeout=self.start_timeout_s)
-            logger.info("relay on %s seeded at version %s by %s", node, seeded["version"], peers[0].node)
-        return relay
+            for node in started:
+                seeded = ray.get(peers[0].handle.seed.remote(self.relays[node].endpoint), timeout=self.start_timeout_s)
+                logger.info("relay on %s seeded at version %s by %s", node, seeded["version"], peers[0].node)
 
     def add(self, count: int = 1, nodes: list[str] | None = None, names: list[str] | None = None) -> list[str]:
         """Start ``count`` engines (placed by ``plan_placement``, or on ``nodes``), each current at the fleet's
@@ -277,9 +281,10 @@ class Fleet:
                 self._counter += 1
         if len(names) != len(placed) or any(n in self.members for n in names):
             raise FleetError(f"engine names {names} must be new and one per engine placed ({len(placed)})")
+        self._relays(placed)
         started = []
         for name, node in zip(names, placed, strict=True):
-            relay = self._relay(node)
+            relay = self.relays[node]
             handle = InferenceActor.options(  # type: ignore[attr-defined]
                 name=name, namespace=self.namespace, max_restarts=self.max_restarts,
                 resources=self.engine_resources or None,

@@ -65,6 +65,10 @@ class _Forward:
     started: float = field(default_factory=time.perf_counter)
 
 
+_ENGINE_FIELDS = ("engine", "transport", "tensors_audited", "stale_tensors", "identity_violations", "routed_sinks",
+                  "probe_mean_abs_logprob_diff", "probe_kl", "probe_flagged")
+
+
 class RelayGate(EngineGate):
     """The relay's engine contract: validates nothing itself (each engine validates the manifest it is sent)
     and forwards each loaded bucket to the local engines as it comes (``begin`` starts the forward on a
@@ -214,8 +218,9 @@ class RelayGate(EngineGate):
             return ApplyResult(False, f"relay could not forward: {describe(outcome)}", kind_of(outcome))
         report = outcome
         self.versions = [manifest.version if e.ok and not e.noop else v for e, v in zip(report.engines, self.versions, strict=True)]
-        engines = [{"endpoint": e.endpoint, "ok": e.ok, "noop": e.noop, "verified": e.verified,
-                    "seconds": e.seconds} for e in report.engines]
+        # each engine's own answer: its name, audit and probe (a fleet reports per engine through its relays)
+        engines = [{"endpoint": e.endpoint, "ok": e.ok, "noop": e.noop, "verified": e.verified, "seconds": e.seconds,
+                    **{k: e.engine[k] for k in _ENGINE_FIELDS if k in e.engine}} for e in report.engines]
         stale = sorted({t for e in report.engines for t in e.engine.get("stale_tensors", [])})
         moved = sorted({t for e in report.engines for t in e.engine.get("identity_violations", [])})
         seconds = {**timings, "relay_forward": time.perf_counter() - t0,

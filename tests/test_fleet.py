@@ -37,9 +37,14 @@ def _node_args(index: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Any:
+    import os
+
     import ray
     from ray.cluster_utils import Cluster
 
+    # the machine is shared with other engines: Ray's own out-of-memory killer must not pick this cluster's
+    # workers because of theirs (the raylets read this when they start)
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     c = Cluster(initialize_head=True, head_node_args=_node_args(0))
     try:
         nodes = [c.head_node, c.add_node(**_node_args(1)), c.add_node(**_node_args(2))]
@@ -75,7 +80,7 @@ def _relay_status(fleet: Any, node: str) -> dict[str, Any]:
 def run(cluster: Any, tmp_path_factory: Any) -> Any:
     """The scenario: 3 engines (one per node) start without weights and refuse to generate; v1, v2 published
     (one copy per node); an engine added at v2 on node a; an engine on node b killed and restarted by Ray while
-    v3 is published; v4 to everyone; the relay of node a killed, v5 published."""
+    v3 is published, every engine then generates at v3; the relay of node a killed, v4 published."""
     import ray
 
     from apps.fleet import Fleet, FleetUpdateFailed
@@ -88,11 +93,11 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
     spec = ModelSpec.from_checkpoint(save_checkpoint(_weights(0), tmp / "v0"))  # headers + config only
     seen: dict[str, Any] = {"nodes": cluster["nodes"], "checkpoints": {}}
     fleet = Fleet(spec, dtype="bfloat16", nodes=[head, node_a, node_b], namespace="wb-fleet-test", name="wbf",
-                  relay_port=43900, probe_timeout_s=15.0, start_timeout_s=600.0)
+                  relay_port=43900, probe_timeout_s=8.0, start_timeout_s=600.0)
     try:
         t0 = time.monotonic()
         seen["first"] = fleet.add(3)
-        seen["start_s"] = time.monotonic() - t0
+        seen["timings"] = {"start": time.monotonic() - t0}
         seen["placed"] = {n: fleet.members[n].node for n in seen["first"]}
         seen["actor_nodes"] = {n: ray.get(fleet.members[n].handle.status.remote(), timeout=60)["node"] for n in seen["first"]}
         seen["ready_before"] = {n: ray.get(fleet.members[n].handle.ready.remote(), timeout=60) for n in seen["first"]}
@@ -116,7 +121,9 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         seen["out_v2"] = {n: _outputs(fleet.members[n].handle) for n in seen["first"]}
 
         # an engine added at version 2 on node a: current before its first request
+        t0 = time.monotonic()
         (late,) = fleet.add(1, nodes=[node_a])
+        seen["timings"]["add"] = time.monotonic() - t0
         seen["late"] = late
         seen["late_status"] = ray.get(fleet.members[late].handle.status.remote(), timeout=60)
         seen["late_records"] = ray.get(fleet.members[late].handle.records.remote(), timeout=60)
@@ -126,6 +133,7 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         # kill node b's engine (Ray restarts it); v3 is published while it is down
         victim = next(n for n in seen["first"] if fleet.members[n].node == node_b)
         seen["victim"] = victim
+        t0 = time.monotonic()
         ray.kill(fleet.members[victim].handle, no_restart=False)
         seen["v3"] = publish(3)
         deadline = time.monotonic() + 600
@@ -139,24 +147,30 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         seen["victim_status"] = status
         seen["victim_out"] = _outputs(fleet.members[victim].handle)  # its first request since the restart
         seen["victim_records"] = ray.get(fleet.members[victim].handle.records.remote(), timeout=60)
-        seen["v4"] = publish(4)
-        seen["out_v4"] = {n: _outputs(fleet.members[n].handle) for n in fleet.members}
+        seen["probe_v3"] = fleet.probe()  # found up again
+        seen["out_v3"] = {n: _outputs(fleet.members[n].handle) for n in fleet.members}
         seen["relay_b"] = _relay_status(fleet, node_b)
         seen["sweeps"] = list(fleet.sweeps)
+        seen["timings"]["restart"] = time.monotonic() - t0
 
         # the relay of node a dies
         ray.kill(fleet.relays[node_a].handle, no_restart=True)
-        seen["v5"] = publish(5)
+        seen["v4"] = publish(4)
         seen["status"] = fleet.status()
         seen["members"] = {n: m.to_dict() for n, m in fleet.members.items()}
         seen["history"] = list(fleet.history)
     finally:
+        t0 = time.monotonic()
         fleet.close()
+        seen.setdefault("timings", {})["close"] = time.monotonic() - t0
     from devtools.coldload import cold_outputs
 
-    versions = [2, 3, 4]
+    t0 = time.monotonic()
+    versions = [2, 3]
     cold = cold_outputs([seen["checkpoints"][v] for v in versions], 1, "bfloat16", PROMPTS, max_tokens=8)
     seen["cold"] = {v: cold[seen["checkpoints"][v]] for v in versions}
+    seen["timings"]["oracle"] = time.monotonic() - t0
+    print("fleet test timings (s):", {k: round(v, 1) for k, v in seen["timings"].items()})
     return seen
 
 
@@ -219,22 +233,23 @@ def test_a_killed_engine_is_recorded_and_comes_back_current(run: Any) -> None:
     assert [j["version"] for j in joins] == [0, 3] and joins[1]["verified"], joins  # first start (nothing published yet), then the rejoin
     assert 3 in run["members"][victim]["missed"]
     assert any(s["engine"] == victim and s["node"] == run["placed"][victim] and "error" not in s for s in run["sweeps"])
-    v4 = run["v4"]
-    assert v4.published and len(v4.current) == 4, v4
-    for name, out in run["out_v4"].items():
-        assert out["version"] == {4}, name
-        _equal_to_cold(out, run["cold"][4])
+    assert run["probe_v3"] == [] and run["members"][victim]["state"] == "ready"
+    assert len(run["out_v3"]) == 4
+    for name, out in run["out_v3"].items():  # every engine, the restarted and the late one included
+        assert out["version"] == {3}, name
+        _equal_to_cold(out, run["cold"][3])
 
 
 def test_a_dead_relay_is_detected_and_its_versions_recorded(run: Any) -> None:
     node_a = run["nodes"][1]
-    v5 = run["v5"]
-    assert f"relay@{node_a}" in v5.down and not v5.published, v5
+    v4 = run["v4"]
+    assert f"relay@{node_a}" in v4.down and not v4.published, v4
     on_a = sorted(n for n, m in run["members"].items() if m["node"] == node_a)
-    assert len(on_a) == 2 and sorted(n for n in v5.missed) == on_a, v5
-    assert v5.nodes[node_a] == {"relay": v5.nodes[node_a]["relay"], "ok": False, "reason": "relay down"}
+    assert len(on_a) == 2 and sorted(n for n in v4.missed) == on_a, v4
+    assert v4.nodes[node_a] == {"relay": v4.nodes[node_a]["relay"], "ok": False, "reason": "relay down"}
+    assert all(v4.nodes[n]["ok"] for n in run["nodes"] if n != node_a), v4.nodes
     node = run["status"]["nodes"][node_a]
-    assert node["relay_state"] == "down" and node["relay_missed"] == [5], node
-    assert all(e["state"] == "down" and 5 in e["missed"] for e in node["engines"]), node
-    assert run["history"][-1]["version"] == 5 and sorted(run["history"][-1]["current"]) == sorted(
+    assert node["relay_state"] == "down" and node["relay_missed"] == [4], node
+    assert all(e["state"] == "down" and 4 in e["missed"] for e in node["engines"]), node
+    assert run["history"][-1]["version"] == 4 and sorted(run["history"][-1]["current"]) == sorted(
         n for n in run["members"] if n not in on_a)
