@@ -221,11 +221,12 @@ class Fleet:
         return self.config.replace(transport=transport)
 
     def publisher_config(self) -> BridgeConfig:
-        """The trainer's side: presents the fleet's client key to relays off loopback."""
-        if not self._secure():
-            return self.config
-        return self.config.replace(transport={"curve_client_secret": self._client_keys.secret,
-                                              "curve_server_public": self._server_keys.public})
+        """The trainer's side: ZMQ to each node's relay (a relay takes its update over the network, whatever
+        ``transport.kind`` says; it forwards over shared memory), presenting the fleet's client key off loopback."""
+        transport: dict[str, Any] = {"kind": "zmq"}
+        if self._secure():
+            transport |= {"curve_client_secret": self._client_keys.secret, "curve_server_public": self._server_keys.public}
+        return self.config.replace(transport=transport)
 
     def engine_config(self) -> BridgeConfig:
         """Engines stay on loopback and ``ipc://`` behind their node's relay."""
@@ -404,9 +405,11 @@ class Fleet:
         self._publisher_endpoints = list(endpoints)
         return self._publisher
 
-    def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int, probe: Any = None) -> FleetReport:
-        """Probe the fleet, send ``version`` once to each node's relay, then read back which engines serve it.
-        Returns the ``FleetReport``; raises ``FleetUpdateFailed`` (with it) when the policy does not hold."""
+    def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int, probe: Any = None,
+                adapter: Any = None) -> FleetReport:
+        """Probe the fleet, send ``version`` once to each node's relay, then read back which engines serve it
+        (with ``adapter``, a LoRA adapter's version: which engines serve that adapter version). Returns the
+        ``FleetReport``; raises ``FleetUpdateFailed`` (with it) when the policy does not hold."""
         import ray
 
         t0 = time.perf_counter()
@@ -422,7 +425,7 @@ class Fleet:
         t1 = time.perf_counter()
         report, failures = None, {}
         try:
-            report = self._publisher_for(endpoints).publish(weights, version=version, probe=probe)
+            report = self._publisher_for(endpoints).publish(weights, version=version, probe=probe, adapter=adapter)
         except UpdateFailed as exc:
             failures = dict(exc.reasons)
             if not failures:
@@ -432,13 +435,14 @@ class Fleet:
             nodes[r.node]["ok"] = r.endpoint not in failures
             nodes[r.node]["reason"] = failures.get(r.endpoint, "")
         # which engines serve it now: asked directly, each within the probe deadline
-        asked = {name: m.handle.version.remote() for name, m in self.members.items() if m.state != "down"}
+        asked = {name: (m.handle.adapter_version.remote(adapter.name) if adapter is not None else m.handle.version.remote())
+                 for name, m in self.members.items() if m.state != "down"}
         answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=self.probe_timeout_s)
         done = set(answered)
         current = []
         for name, ref in asked.items():
             served = _answered(ref, done)
-            if served is not None:
+            if served is not None and adapter is None:
                 self.members[name].version = int(served)
             if served == version:
                 current.append(name)
