@@ -446,6 +446,8 @@ class Fleet:
                 self.members[name].version = int(served)
             if served == version:
                 current.append(name)
+                if adapter is None:  # it holds a verified version now (an engine that joined before the first)
+                    self.members[name].state = "ready"
         missed = [n for n in self.members if n not in current]
         for name in missed:
             self.members[name].missed.append(version)
