@@ -35,12 +35,13 @@ the version just published.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -213,11 +214,13 @@ def with_adapter_parity(sync: dict[str, Any], parity: list[dict[str, Any]], boun
 
 
 def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
-          config: Any = None) -> Iterator[dict[str, Any]]:
+          config: Any = None, publish: Callable[..., dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
     """Run ``cfg.steps`` GRPO steps with rollouts from ``actors`` (one engine each, served at ``endpoints``);
     yield one log dict per step (after its weights were published to every engine). With ``cfg.lora`` the
     policy (the base the engines serve) gets a LoRA adapter first, and each step publishes only the adapter
-    (its versions ``1, 2, ...`` after the one the engines serve); the engines need ``engine_options(cfg)``."""
+    (its versions ``1, 2, ...`` after the one the engines serve); the engines need ``engine_options(cfg)``.
+    ``publish(weights, version=, probe=, adapter=)`` (a fleet's, see apps/ray_job.py) replaces the
+    ``WeightPublisher`` to ``endpoints``; it returns the sync record (``sync_summary``'s shape)."""
     import ray
     import torch
 
@@ -242,7 +245,12 @@ def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
         version = max(int(ray.get(actor.adapter_version.remote(ADAPTER)) or 0) for actor in actors)
     else:
         version = max(int(v) for v in ray.get([actor.version.remote() for actor in actors]))
-    with WeightPublisher(endpoints, config=config) as publisher:
+    with contextlib.ExitStack() as stack:
+        if publish is None:
+            publisher = stack.enter_context(WeightPublisher(endpoints, config=config))
+
+            def publish(weights: Any, version: int, probe: Any = None, adapter: Any = None) -> dict[str, Any]:
+                return sync_summary(publisher.publish(weights, version=version, probe=probe, adapter=adapter))
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             batch = [p for p in prompts for _ in range(cfg.group)]
@@ -271,18 +279,16 @@ def train(cfg: GRPOConfig, policy: Any, actors: list[Any], endpoints: list[str],
 
             version += 1
             if spec is not None:
-                report = publisher.publish(adapter_tensors(policy), version=version, adapter=spec)
-                sync = with_adapter_parity(sync_summary(report), adapter_parity(actors, policy, prompts, cfg.max_tokens, version),
-                                           bound)
+                sync = with_adapter_parity(publish(adapter_tensors(policy), version=version, adapter=spec),
+                                           adapter_parity(actors, policy, prompts, cfg.max_tokens, version), bound)
             else:
-                report = publisher.publish(policy.named_parameters(), version=version, probe=build_probe(policy))
-                sync = sync_summary(report)
+                sync = publish(policy.named_parameters(), version=version, probe=build_probe(policy))
             yield {
                 "step": step, "reward": round(sum(rewards) / len(rewards), 4), "loss": round(float(loss), 5),
                 "version": version, "rollouts_from": sampled_from, "base_versions": base_versions, "sync": sync,
                 "rollout_mean_abs_logprob_diff": round(rollout_mismatch, 5),
                 "seconds": {"rollout": round(t_rollout, 3), "train": round(t_train, 3),
-                            "sync": round(report.seconds.get("total", 0.0), 3),
+                            "sync": round(float(sync["seconds"]), 3),
                             "step": round(time.perf_counter() - t0, 3)},
             }
 

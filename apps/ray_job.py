@@ -1,16 +1,18 @@
-"""A training loop with the bridge, as a Ray job: the job's driver is the trainer, one or more named
-``InferenceActor`` engines on the same node serve its rollouts.
+"""A training loop with the bridge, as a Ray job: the job's driver is the trainer, a fleet of named
+``InferenceActor`` engines spread over the cluster's nodes serves its rollouts (apps/fleet.py).
 
 Against a cluster started with ``ray start --head``, from the repository root::
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m apps.ray_job --loop grpo --steps 20
 
-The driver writes the initial policy as a checkpoint, starts ``--engines`` engine actors at once (named
-``--actor-name``, then ``NAME-1``, ``NAME-2``, ... in namespace ``--namespace``, so
-``weight-bridge serve --ray-address auto --actor NAME`` can watch them), then publishes one version per
-step to all of them in one publish (with ``transport.kind: shm`` the buckets are written once and every
-engine maps them), generating between syncs:
+The driver starts ``--engines`` engine actors through the fleet API (``apps/fleet.py``: placed over the
+cluster's nodes, fewest engines first, one relay per node with engines; named ``--actor-name``, then
+``NAME-1``, ``NAME-2``, ... in namespace ``--namespace``, so ``weight-bridge serve --ray-address auto --actor
+NAME`` can watch them). No node reads a checkpoint: the engines start from the policy's config and tensor
+table (a ``ModelSpec``, vLLM's dummy load) and hold nothing until the driver publishes the initial policy as
+version 1. Then it publishes one version per step, once per node (each node's relay hands it to its engines
+over shared memory), generating between syncs:
 
 * ``--loop grpo``: the GRPO toy loop (``apps/grpo_toy.py``, also run by ``examples/grpo_toy.py``); each
   step's rollouts are split across the engines, which sample their shares at once;
@@ -18,11 +20,11 @@ engine maps them), generating between syncs:
   engine generates greedily from the same prompts.
 
 ``--lora R`` (GRPO only): the engines start with LoRA enabled, the trainer trains a rank-R LoRA adapter on
-the frozen base and each step publishes only the adapter (see apps/grpo_toy.py); the base stays at version 0.
+the frozen base and each step publishes only the adapter (see apps/grpo_toy.py); the base stays at version 1 (the initial policy).
 
-Each step prints one JSON line with its sync record; the last line is ``{"summary": ...}``. The exit
-status is 0 only if every sync passed on every engine: applied, audited (no stale tensor, no identity
-violation) and its parity probe within bound.
+Each step prints one JSON line with its sync record (one entry per engine, as its relay reported it); the
+last line is ``{"summary": ...}``. The exit status is 0 only if every sync passed on every engine: applied,
+audited (no stale tensor, no identity violation) and its parity probe within bound.
 """
 
 from __future__ import annotations
@@ -141,15 +143,50 @@ def sync_summary(report: PublishReport) -> dict[str, Any]:
     """A publish's sync record: the worst of its engines at the top (ok and verified only if every engine
     is; the fewest tensors audited; every stale tensor and identity violation; the largest probe mismatch),
     each engine's own answer under ``engines``."""
-    engines = [engine_summary(e) for e in report.engines]
+    return _summary(report.version, [engine_summary(e) for e in report.engines], report.bytes,
+                    report.seconds.get("total", 0.0), report.gbps, report.delta)
+
+
+def fleet_sync_summary(fleet_report: Any, names: list[str]) -> dict[str, Any]:
+    """A fleet publish's sync record (``apps.fleet.FleetReport``): one entry per engine of ``names`` in that
+    order, as its node's relay reported it; an engine that did not answer (down, or its relay failed) is a
+    failed entry naming why."""
+    report = fleet_report.report
+    seen: dict[str, dict[str, Any]] = {}
+    for node in report.engines if report is not None else ():
+        for rec in node.engine.get("relayed", []):
+            name = rec.get("engine", rec["endpoint"])
+            seen[name] = {
+                "engine": name, "ok": bool(rec["ok"]), "verified": bool(rec["verified"]), "reason": "",
+                "transport": rec.get("transport", ""), "tensors_audited": rec.get("tensors_audited", 0),
+                "stale_tensors": list(rec.get("stale_tensors", [])),
+                "identity_violations": list(rec.get("identity_violations", [])),
+                "probe_mean_abs_logprob_diff": _round(rec.get("probe_mean_abs_logprob_diff"), 6),
+                "probe_kl": _round(rec.get("probe_kl"), 8), "probe_flagged": bool(rec.get("probe_flagged"))}
+    missing = {"ok": False, "verified": False, "transport": "", "tensors_audited": 0, "stale_tensors": [],
+               "identity_violations": [], "probe_mean_abs_logprob_diff": None, "probe_kl": None, "probe_flagged": False}
+    engines = [seen.get(n) or {"engine": n, **missing, "reason": f"not current at version {fleet_report.version}"}
+               for n in names]
+    total = fleet_report.seconds.get("total", 0.0)
+    nbytes = report.bytes if report is not None else 0
+    out = _summary(fleet_report.version, engines, nbytes, total, nbytes / total / 1e9 if total > 0 else 0.0,
+                   report.delta if report is not None else {})
+    out["fleet"] = {"published": fleet_report.published, "current": list(fleet_report.current),
+                    "missed": list(fleet_report.missed), "nodes": len(fleet_report.nodes),
+                    "copies_sent": len(report.engines) if report is not None else 0}
+    return out
+
+
+def _summary(version: int, engines: list[dict[str, Any]], nbytes: int, seconds: float, gbps: float,
+             delta: dict[str, Any]) -> dict[str, Any]:
     diffs = [e["probe_mean_abs_logprob_diff"] for e in engines]
     kls = [e["probe_kl"] for e in engines]
     return {
-        "version": report.version, "engine": ",".join(str(e["engine"]) for e in engines),
+        "version": version, "engine": ",".join(str(e["engine"]) for e in engines),
         "ok": bool(engines) and all(e["ok"] for e in engines),
         "verified": bool(engines) and all(e["verified"] for e in engines),
         "reason": " | ".join(f"{e['engine']}: {e['reason']}" for e in engines if e["reason"]),
-        "bytes": report.bytes, "seconds": round(report.seconds.get("total", 0.0), 4), "gbps": round(report.gbps, 4),
+        "bytes": nbytes, "seconds": round(seconds, 4), "gbps": round(gbps, 4),
         "tensors_audited": min((e["tensors_audited"] for e in engines), default=0),
         "stale_tensors": [s for e in engines for s in e["stale_tensors"]],
         "identity_violations": [v for e in engines for v in e["identity_violations"]],
@@ -157,7 +194,7 @@ def sync_summary(report: PublishReport) -> dict[str, Any]:
         "probe_kl": None if None in kls or not kls else max(kls),
         "probe_flagged": any(e["probe_flagged"] for e in engines),
         # sent as patches or dense, wire and dense bytes, density (empty: deltas off), as plain JSON values
-        "delta": json.loads(json.dumps(report.delta, default=lambda v: v.item() if hasattr(v, "item") else str(v))),
+        "delta": json.loads(json.dumps(delta, default=lambda v: v.item() if hasattr(v, "item") else str(v))),
         "engines": engines,
     }
 
@@ -172,29 +209,43 @@ def sync_passed(sync: dict[str, Any]) -> bool:
                 and not sync.get("probe_flagged"))
 
 
-def versions_loop(args: JobArgs, actors: list[Any], endpoints: list[str]) -> Iterator[dict[str, Any]]:
-    """Publish fresh random weights (seed + step + 1) each step to every engine; greedy generation on
-    every engine between syncs (``generated``: one list of completions per engine)."""
+def fleet_publish(fleet: Any, names: list[str]) -> Any:
+    """``publish(weights, version=, probe=, adapter=)`` through ``fleet``, returning the sync record per engine
+    (``fleet_sync_summary``); a version the fleet's policy did not accept is a failed record, not an exception."""
+    from apps.fleet import FleetUpdateFailed
+
+    def publish(weights: Any, version: int, probe: Any = None, adapter: Any = None) -> dict[str, Any]:
+        try:
+            report = fleet.publish(weights, version=version, probe=probe, adapter=adapter)
+        except FleetUpdateFailed as exc:
+            logger.warning("version %s: %s", version, exc)
+            report = exc.report
+        return fleet_sync_summary(report, names)
+
+    return publish
+
+
+def versions_loop(args: JobArgs, actors: list[Any], publish: Any) -> Iterator[dict[str, Any]]:
+    """Publish fresh random weights (seed + step + 1) each step to every engine, from version 2 (version 1:
+    the initial weights); greedy generation on every engine between syncs (``generated``: one list of
+    completions per engine)."""
     import ray
 
     from devtools.tiny_models import build_model
     from trainer_side.probe import build_probe
-    from trainer_side.publisher import WeightPublisher
 
     prompts = [[1, 2, 3, 4, 5], [100, 200, 300]]
-    with WeightPublisher(endpoints, config=args.config) as publisher:
-        for step in range(args.steps):
-            model = build_model(args.kind, args.seed + step + 1)
-            report = publisher.publish(model.named_parameters(), version=step + 1, probe=build_probe(model))
-            outs = ray.get([actor.generate.remote(prompts, max_tokens=8) for actor in actors])
-            yield {"step": step, "version": step + 1, "sync": sync_summary(report),
-                   "generated": [[o["token_ids"] for o in out] for out in outs]}
+    for step in range(args.steps):
+        model = build_model(args.kind, args.seed + step + 1)
+        sync = publish(model.named_parameters(), version=step + 2, probe=build_probe(model))
+        outs = ray.get([actor.generate.remote(prompts, max_tokens=8) for actor in actors])
+        yield {"step": step, "version": step + 2, "sync": sync, "generated": [[o["token_ids"] for o in out] for out in outs]}
 
 
-def grpo_loop(args: JobArgs, actors: list[Any], endpoints: list[str], policy: Any) -> Iterator[dict[str, Any]]:
+def grpo_loop(args: JobArgs, actors: list[Any], publish: Any, policy: Any) -> Iterator[dict[str, Any]]:
     from apps.grpo_toy import train
 
-    return train(grpo_config(args), policy, actors, endpoints, config=args.config)
+    return train(grpo_config(args), policy, actors, [], config=args.config, publish=publish)
 
 
 def grpo_config(args: JobArgs) -> Any:
@@ -206,37 +257,49 @@ def grpo_config(args: JobArgs) -> Any:
 def run(args: JobArgs) -> int:
     import ray
 
+    from apps.fleet import Fleet
+    from bridge.checkpoint import ModelSpec
     from devtools.tiny_models import build_model, save_checkpoint
+    from trainer_side.probe import build_probe
 
     options: dict[str, Any] = {}
     if args.loop == "grpo":
         from apps.grpo_toy import engine_options, make_policy
 
-        policy = make_policy(grpo_config(args))  # the base; with --lora the adapter is added after the checkpoint
+        policy = make_policy(grpo_config(args))  # the base; with --lora the adapter is added after the spec is taken
         options = engine_options(grpo_config(args))
     else:
         policy = build_model(args.kind, args.seed)
     ray.init(namespace=args.namespace, log_to_driver=False)  # inside a Ray job: joins the job's cluster
     lines: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="wb-ray-job-") as tmp:
-        checkpoint = save_checkpoint(policy, Path(tmp) / "v0")
-        names = engine_names(args.actor_name, args.engines)
-        actors, endpoints = start_engines(checkpoint, names, args.namespace, args.tp, args.dtype, args.config,
-                                          args.start_timeout_s, options)
-        try:
-            steps = (grpo_loop(args, actors, endpoints, policy) if args.loop == "grpo"
-                     else versions_loop(args, actors, endpoints))
-            for line in steps:
-                lines.append(line)
-                print(json.dumps(line), flush=True)
-            if args.linger_s > 0:
-                logger.info("keeping engines %s up for %.0fs (dashboards may read them)", names, args.linger_s)
-                time.sleep(args.linger_s)
-        finally:
-            stop_engines(actors)
+        # the engines get the policy's config and tensor table only (no node reads this checkpoint's weights)
+        spec = ModelSpec.from_checkpoint(save_checkpoint(policy, Path(tmp) / "v0"))
+    names = engine_names(args.actor_name, args.engines)
+    fleet = Fleet(spec, dtype=args.dtype, tp=args.tp, config=args.config, engine_options=options,
+                  namespace=args.namespace, name=args.actor_name, start_timeout_s=args.start_timeout_s)
+    try:
+        fleet.add(args.engines, names=names)
+        logger.info("fleet: %s", json.dumps(fleet.status()))
+        publish = fleet_publish(fleet, names)
+        first = publish(policy.named_parameters(), version=1, probe=build_probe(policy))  # the initial weights
+        if not sync_passed(first):
+            raise JobError(f"the initial weights did not reach every engine: {first['reason']}")
+        actors = [fleet.members[n].handle for n in names]
+        steps = grpo_loop(args, actors, publish, policy) if args.loop == "grpo" else versions_loop(args, actors, publish)
+        for line in steps:
+            lines.append(line)
+            print(json.dumps(line), flush=True)
+        if args.linger_s > 0:
+            logger.info("keeping engines %s up for %.0fs (dashboards may read them)", names, args.linger_s)
+            time.sleep(args.linger_s)
+        nodes = {n: len(v["engines"]) for n, v in fleet.status()["nodes"].items()}
+    finally:
+        fleet.close()
     failed = [x["version"] for x in lines if not sync_passed(x["sync"])]
-    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "engines": names, "syncs": len(lines),
-                               "syncs_passed": len(lines) - len(failed), "failed_versions": failed, "lora": args.lora}
+    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "engines": names, "nodes": nodes,
+                               "syncs": len(lines), "syncs_passed": len(lines) - len(failed), "failed_versions": failed,
+                               "lora": args.lora}
     if args.loop == "grpo" and lines:
         k = max(1, len(lines) // 4)
         summary["reward_first"] = round(sum(x["reward"] for x in lines[:k]) / k, 4)

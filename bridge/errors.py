@@ -128,3 +128,17 @@ class UpdateFailed(BridgeError):
         super().__init__(message)
         self.reasons: dict[str, str] = dict(reasons or {})
         self.kinds: dict[str, FailureKind] = dict(kinds or {})
+
+
+class NotReady(BridgeError):
+    """The engine holds no verified weights yet (started from the model's config alone, or joining its fleet):
+    it refuses requests until a complete version was applied and verified."""
+
+    kind: ClassVar[FailureKind] = FailureKind.OTHER
+
+
+class FleetError(BridgeError):
+    """A fleet of engines cannot do what was asked: no node can host an engine, an engine or relay did not
+    start or join within its deadline, an unknown engine."""
+
+    kind: ClassVar[FailureKind] = FailureKind.OTHER

@@ -244,6 +244,24 @@ class UpdateSender:
 
         return self._stream(manifest, self._plane(), produce, t_start)
 
+    def send_filled(self, manifest: wire.Manifest, fill: Callable[[int, Any], tuple[int, ...]]) -> PublishReport:
+        """Send an update whose bytes the caller writes: ``fill(index, buffer)`` writes bucket ``index`` of
+        ``manifest`` (dense) into ``buffer`` (a uint8 torch tensor of its size) and returns its checksums, in
+        ``manifest.by_bucket()`` order. Over this sender's transport; raises UpdateFailed as ``publish`` does.
+        A relay's path for what it holds (a joining engine, a peer relay)."""
+        t_start = time.perf_counter()
+        self._current = manifest.version
+        self._agreed_dtype()
+        manifest = replace(manifest, publisher=self.name, transport=self.transport, delta=None)
+        plane = self._plane()
+
+        def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
+            buffer = plane.allocate(index, size)
+            sums = fill(index, buffer)
+            return plane.seal(index, buffer), sums
+
+        return self._stream(manifest, plane, produce, t_start)
+
     @contextmanager
     def _only(self, endpoints: Collection[str]) -> Iterator[None]:
         """Send to the engines at ``endpoints`` alone until the block ends (a dense resend to the engines that

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from bridge import wire
-from bridge.checkpoint import read_tensor_table
+from bridge.checkpoint import ModelSpec, read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
-from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, ManifestError
+from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, ManifestError, NotReady
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
@@ -45,6 +45,16 @@ class EngineDegraded(BridgeError):
 
 class UnknownAdapter(BridgeError):
     """Generation asked for a LoRA adapter of which the engine serves no version."""
+
+
+def _ray_node() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside a Ray worker the runtime context may not answer
+        return None
 
 
 def resolve_config(config: BridgeConfig | dict[str, Any] | str | None) -> BridgeConfig:
@@ -71,20 +81,43 @@ class _Update:
 
 
 class InferenceServer(EngineGate):
-    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+    def __init__(self, model: str | ModelSpec, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  config: BridgeConfig | dict[str, Any] | str | None = None, name: str | None = None,
-                 **llm_kwargs: Any) -> None:
+                 join: Any = None, join_timeout_s: float = 600.0, **llm_kwargs: Any) -> None:
         """Start a vLLM engine on ``model`` (a local checkpoint directory) and a receiver for updates.
         ``llm_kwargs`` go to ``vllm.LLM`` (``worker_extension_cls`` may name a subclass of
-        ``inference_side.worker_ext.WeightSyncWorker``)."""
+        ``inference_side.worker_ext.WeightSyncWorker``).
+
+        ``model`` may instead be a ``ModelSpec`` (the model's config files and tensor table, no weights), or
+        ``llm_kwargs`` may say ``load_format="dummy"``: vLLM then builds the model with placeholder weights and
+        nothing is read from a checkpoint. Such an engine refuses generation and scoring (``NotReady``) until
+        an update carrying every tensor was applied and verified. ``join`` (a ``RelayActor`` handle on this
+        node) brings it to the fleet's version before the constructor returns: the relay sends the version it
+        holds as a dense update, verified like any (``Relay.join``); an engine restarted by Ray rejoins the
+        same way."""
         from inference_side.engine import start_llm
 
         self.config = resolve_config(config)
+        self._spec_dir: str | None = None
+        if isinstance(model, ModelSpec):
+            import tempfile
+
+            self._spec_dir = tempfile.mkdtemp(prefix="wb-spec-")
+            model = str(model.write(self._spec_dir))
+            llm_kwargs.setdefault("load_format", "dummy")
         self.model_path = str(Path(model))
         self.tp_size = tensor_parallel_size
         self.dtype = dtype
         self.name = name or f"engine-{socket.gethostname()}"
         self.table = read_tensor_table(self.model_path)
+        # no checkpoint weights: nothing is served until a complete version is applied and verified
+        self._unverified: str | None = None
+        if llm_kwargs.get("load_format") == "dummy":
+            self._unverified = (f"engine {self.name} was started from the model's config alone (load_format='dummy') "
+                                f"and holds no verified weights yet: it serves once a complete version was applied")
+            if self.config.sync.host_copy:
+                raise ConfigError("sync.host_copy restores from the checkpoint: an engine started without one "
+                                  "(load_format='dummy') cannot keep it")
         # the workers' side of every update is the weight_bridge backend (inference_side/vllm_backend.py)
         self.llm = start_llm(self.model_path, tensor_parallel_size, dtype,
                              {"weight_transfer_config": {"backend": BACKEND}, **llm_kwargs})
@@ -118,6 +151,22 @@ class InferenceServer(EngineGate):
                                      status=lambda since: (self.status(), self._ledger.dicts(since)))
         self._endpoint = self.receiver.start()
         logger.info("%s serving %s at %s", self.name, self.model_path, self._endpoint)
+        self.joined: dict[str, Any] = {}
+        if join is not None:
+            self._join(join, join_timeout_s)
+
+    def _join(self, relay: Any, timeout_s: float) -> None:
+        """Ask this node's relay (a Ray actor handle) for the fleet's version; on return the engine serves it
+        (or, when the fleet has published nothing yet, waits for the first version)."""
+        import ray
+
+        endpoint = self.receiver.ipc_endpoint or self._endpoint
+        try:
+            self.joined = dict(ray.get(relay.join.remote(self.name, endpoint, timeout_s), timeout=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - Ray raises several unrelated types; the relay's own error inside
+            self.shutdown()
+            raise NotReady(f"engine {self.name} could not join its node's relay: {type(exc).__name__}: {exc}") from exc
+        logger.info("%s joined its relay at version %s", self.name, self._version)
 
     # ---- public API (Ray methods) ----------------------------------------------------------------
     def endpoint(self, kind: str = "tcp") -> str:
@@ -133,13 +182,21 @@ class InferenceServer(EngineGate):
     def version(self) -> int:
         return self._version
 
+    def ready(self) -> bool:
+        """Serves requests: holds a verified version (not started without weights and waiting) and is not degraded."""
+        return self._unverified is None and self._degraded is None
+
     def status(self) -> dict[str, Any]:
         return {
             "engine": self.name,
+            "model_path": self.model_path,
             "endpoint": self._endpoint,
             "ipc_endpoint": self.receiver.ipc_endpoint,
             "version": self._version,
             "degraded": self._degraded,
+            "ready": self.ready(),
+            "unverified": self._unverified,
+            "node": _ray_node(),
             "tp_size": self.tp_size,
             "dtype": self.dtype,
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],
@@ -170,8 +227,7 @@ class InferenceServer(EngineGate):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
                                 seed=seed, detokenize=False)
         with self._serving():
-            if self._degraded:
-                raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
+            self._check_ready()
             version = self._version
             lora, adapter_version = None, None
             if adapter is not None:
@@ -197,8 +253,7 @@ class InferenceServer(EngineGate):
         """Per sequence: ``logprobs``, the log-probability of each token after the first under the served
         weights, and ``version``, the weight version that scored it."""
         with self._serving():
-            if self._degraded:
-                raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
+            self._check_ready()
             version = self._version
             return [{"logprobs": lps, "version": version} for lps in self._score(sequences)]
 
@@ -221,11 +276,18 @@ class InferenceServer(EngineGate):
             return self.llm.collective_rpc(method, args=tuple(args))
 
     def shutdown(self) -> None:
-        self.receiver.stop()
-        if self._lora_dir is not None:
-            import shutil
+        import shutil
 
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        self.receiver.stop()
+        for directory in (self._lora_dir, self._spec_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _check_ready(self) -> None:
+        if self._unverified:
+            raise NotReady(self._unverified)
+        if self._degraded:
+            raise EngineDegraded(f"engine {self.name} is degraded: {self._degraded}")
 
     # ---- EngineGate (inference_side/contract.py) ---------------------------------------------------
     @staticmethod
@@ -240,9 +302,16 @@ class InferenceServer(EngineGate):
                                transports=self._transports(), host=socket.gethostname())
 
     def validate(self, manifest: wire.Manifest) -> str | None:
+        if self._unverified:
+            if manifest.adapter is not None:
+                raise ManifestError(f"adapter {manifest.adapter.name}: {self._unverified}; an adapter needs the base first")
+            missing = sorted(set(self.table) - {s.name for s in manifest.tensors})
+            if missing:
+                raise ManifestError(f"{self._unverified}: the update must carry every tensor; it lacks "
+                                    f"{len(missing)}: {missing[:5]}")
         if manifest.adapter is not None:
             return validate_adapter(manifest, self.table, self.max_lora_rank, self.adapter_version(manifest.adapter.name))
-        return validate_manifest(manifest, self.table, self.dtype, self._version, self._degraded)
+        return validate_manifest(manifest, self.table, self.dtype, self._version, self._degraded or self._unverified)
 
     def begin(self, manifest: wire.Manifest) -> None:
         with self._engine:
@@ -257,7 +326,7 @@ class InferenceServer(EngineGate):
                                       f"{manifest.version} is not newer than the served version {served} (applied "
                                       f"meanwhile by another update)")
                 return
-            if manifest.version < self._version or (manifest.version == self._version and not self._degraded):
+            if manifest.version < self._version or (manifest.version == self._version and not (self._degraded or self._unverified)):
                 # another update (a second publisher) got there first while this one was staged
                 update.failure = (FailureKind.VERSION, f"VersionError: version {manifest.version} is not newer than the "
                                   f"served version {self._version} (applied meanwhile by another update)")
@@ -320,6 +389,7 @@ class InferenceServer(EngineGate):
                 self.llm.reset_prefix_cache()
                 self._version = manifest.version
                 self._degraded = None
+                self._unverified = None  # every tensor came with this verified update (validate)
                 probe = self._probe(manifest.probe) if manifest.probe and self.config.probe.enabled else {}
             finally:
                 self._end(update)

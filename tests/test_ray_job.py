@@ -1,15 +1,16 @@
-"""The Ray job (GRPO loop, two engines fed by one publish) passes every sync and the reward rises, on a real
-local Ray head node.
+"""The Ray job (GRPO loop, two engines of a fleet fed by one publish) passes every sync and the reward rises, on a
+real local Ray head node.
 
 ``ray start --head`` (own ports and temp dir, so other Ray instances on the machine are untouched),
 ``ray job submit --working-dir <repo> --no-wait -- python -m apps.ray_job --loop grpo --engines 2``
-with ``configs/same-host.yaml`` (shared memory: one copy of each bucket for both engines), poll until the
-job ends, read its logs: the job succeeded, every sync passed on both engines (applied, audited, probe
-within bound, over shm) and the GRPO reward rose. While the job runs, ``weight-bridge serve --actor``
+with ``configs/same-host.yaml``: the fleet (apps/fleet.py) puts both engines on the one node behind one relay,
+which takes each version once and hands it to both over shared memory; the engines start without a checkpoint
+and get the initial policy as version 1. Poll until the job ends, read its logs: the job succeeded, every sync
+passed on both engines (applied, audited, probe within bound, over shm) and the GRPO reward rose. While the job runs, ``weight-bridge serve --actor``
 polls the job's two named inference actors, as an operator's dashboard would.
 
 The same job with ``--lora 8`` (one engine started with LoRA enabled) trains a LoRA adapter on the frozen base:
-every sync carries the adapter alone and is verified, the base stays at version 0, the reward rises.
+every sync carries the adapter alone and is verified, the base stays at version 1 (the initial policy), the reward rises.
 """
 
 from __future__ import annotations
@@ -191,25 +192,26 @@ def job(head: Any) -> Any:
 def _all_served(view: dict[str, Any]) -> bool:
     """Every engine of the job is up and serves the last version: the job's final sync landed."""
     engines = {e.get("engine"): e for e in view.get("engines", [])}
-    return all(engines.get(a, {}).get("version") == STEPS and engines[a].get("health") == "ok" for a in ACTORS)
+    return all(engines.get(a, {}).get("version") == STEPS + 1 and engines[a].get("health") == "ok" for a in ACTORS)
 
 
 def test_job_succeeds_and_every_sync_passed(job: Any) -> None:
     assert job["status"] == "SUCCEEDED", f"job ended {job['status']}:\n{job['logs'][-4000:]}"
     steps = job["steps"]
-    assert [s["version"] for s in steps] == list(range(1, STEPS + 1)), job["logs"][-4000:]
-    # on-policy: every rollout of a step was sampled from the version published before it (0: the checkpoint)
-    assert [s["rollouts_from"] for s in steps] == [[v] for v in range(STEPS)], [s["rollouts_from"] for s in steps]
+    assert [s["version"] for s in steps] == list(range(2, STEPS + 2)), job["logs"][-4000:]
+    # on-policy: every rollout of a step was sampled from the version published before it (1: the initial policy)
+    assert [s["rollouts_from"] for s in steps] == [[v] for v in range(1, STEPS + 1)], [s["rollouts_from"] for s in steps]
     for s in steps:
         sync = s["sync"]
         assert [e["engine"] for e in sync["engines"]] == ACTORS, sync  # one publish reached both engines
+        assert sync["fleet"]["copies_sent"] == 1 and sync["fleet"]["published"], sync["fleet"]  # one node: one copy
         for eng in sync["engines"]:
             assert eng["ok"] and eng["verified"] and eng["transport"] == "shm", eng
             assert eng["tensors_audited"] > 0 and not eng["stale_tensors"] and not eng["identity_violations"], eng
             assert eng["probe_mean_abs_logprob_diff"] is not None and not eng["probe_flagged"], eng
     summary = job["summary"]
     assert summary and summary["syncs"] == summary["syncs_passed"] == STEPS and summary["failed_versions"] == [], summary
-    assert summary["engines"] == ACTORS, summary
+    assert summary["engines"] == ACTORS and list(summary["nodes"].values()) == [2], summary
 
 
 def test_grpo_reward_rises(job: Any) -> None:
@@ -225,7 +227,7 @@ def test_dashboard_polls_the_named_actors(job: Any, actor: str) -> None:
     """`weight-bridge serve --actor NAME` found each of the job's actors and followed its versions to the last one."""
     seen = [e for view in job["views"] for e in view.get("engines", []) if e.get("engine") == actor]
     assert seen, f"the dashboard never saw engine {actor}: {job['views'][-3:]}"
-    assert max(e["version"] for e in seen) == STEPS, seen[-1]
+    assert max(e["version"] for e in seen) == STEPS + 1, seen[-1]
     assert any(e.get("health") == "ok" for e in seen), seen[-1]
     # the GRPO example's 4 prompts x 8 samples per step, split evenly: each engine served its half
     share = 4 * 8 // len(ACTORS)
@@ -244,7 +246,7 @@ def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
     for chart in ("chart-latency", "chart-throughput", "chart-probe"):
         for actor in ACTORS:
             points = [p for p in page.find(chart).find_all("chart-point") if p.attrs.get("data-engine") == actor]
-            assert len(points) == STEPS, (f"{chart}: {len(points)} points for {actor}, expected one per sync ({STEPS}); "
+            assert len(points) == STEPS + 1, (f"{chart}: {len(points)} points for {actor}, expected one per sync ({STEPS + 1}); "
                                           f"page in {ARTIFACTS / 'dashboard-live.html'}")
     assert job["rendered_live"], "the job ended before the dashboard showed every engine at its last version"
     rows = {r.attrs["data-engine"]: r for r in page.find_all("engine-row")}
@@ -252,7 +254,7 @@ def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
     share = 4 * 8 // len(ACTORS)  # rollouts per step each engine served
     for actor in ACTORS:  # rendered while the job lingered: both engines up, current, healthy, each its rollouts
         row = rows[actor]
-        assert (row.find("engine-version").text, row.find("engine-health").text) == (f"v{STEPS}", "ok")
+        assert (row.find("engine-version").text, row.find("engine-health").text) == (f"v{STEPS + 1}", "ok")
         assert row.find("engine-rollouts").text == str(STEPS * share)
     assert page.find_all("alert-item") == [], [i.text for i in page.find_all("alert-item")]
     shot = (ARTIFACTS / "dashboard-live.png").read_bytes()
@@ -280,7 +282,7 @@ def _lora_bytes(rank: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def lora_job(head: Any) -> Any:
-    """The GRPO job with ``--lora 8`` on one engine (the default transport, ZMQ over tcp://), run to its end."""
+    """The GRPO job with ``--lora 8`` on one engine (the default config: ZMQ to the node's relay), run to its end."""
     submission_id = f"wb-grpo-lora-{uuid.uuid4().hex[:8]}"
     entry = ["python", "-m", "apps.ray_job", "--loop", "grpo", "--lora", str(LORA_RANK), "--steps", str(LORA_STEPS),
              "--actor-name", LORA_ACTOR]
@@ -310,7 +312,7 @@ def test_lora_job_syncs_only_the_adapter_and_every_sync_is_verified(lora_job: An
     assert [s["version"] for s in steps] == list(range(1, LORA_STEPS + 1)), lora_job["logs"][-4000:]
     # on-policy: every step's rollouts came from the adapter version published before it (0: none yet, the base)
     assert [s["rollouts_from"] for s in steps] == [[v] for v in range(LORA_STEPS)], [s["rollouts_from"] for s in steps]
-    assert all(s["base_versions"] == [0] for s in steps), [s["base_versions"] for s in steps]
+    assert all(s["base_versions"] == [1] for s in steps), [s["base_versions"] for s in steps]  # the initial policy
     adapter_bytes, full_bytes = _lora_bytes(LORA_RANK)
     assert adapter_bytes < full_bytes / 10
     for s in steps:
@@ -319,7 +321,7 @@ def test_lora_job_syncs_only_the_adapter_and_every_sync_is_verified(lora_job: An
         assert sync["ok"] and sync["verified"] and not sync["stale_tensors"], sync
         assert sync["probe_by"] == "trainer" and not sync["probe_flagged"], sync
         (eng,) = sync["engines"]
-        assert eng["engine"] == LORA_ACTOR and eng["transport"] == "zmq", eng
+        assert eng["engine"] == LORA_ACTOR and eng["transport"] == "shm", eng  # from the node's relay
         assert eng["adapter_versions_served"] == [s["version"]], eng
         assert eng["probe_mean_abs_logprob_diff"] is not None and eng["probe_mean_abs_logprob_diff"] < 0.05, eng
     summary = lora_job["summary"]

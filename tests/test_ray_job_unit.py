@@ -98,3 +98,28 @@ def test_summary_carries_the_delta_telemetry_as_json() -> None:
     sync = sync_summary(PublishReport(version=3, bytes=100, seconds={"total": 0.2}, engines=(_engine("a"),), delta=delta))
     assert json.loads(json.dumps(sync))["delta"] == {"mode": "delta", "wire_bytes": 1200, "dense_bytes": 120000,
                                                      "density": pytest.approx(0.01), "dense_fallback": {}}
+
+
+def _relay(node: str, *engines: EngineReport) -> EngineReport:
+    relayed = [{"endpoint": e.endpoint, "ok": e.ok, "noop": False, "verified": e.verified, "seconds": {},
+                **e.engine} for e in engines]
+    return EngineReport(endpoint=f"tcp://relay-{node}", version=3, ok=all(e.ok for e in engines), reason="", bytes=100,
+                        seconds={"total": 0.1}, verified=True, engine={"relayed": relayed})
+
+
+def test_fleet_summary_lists_each_engine_behind_its_relay_in_the_given_order() -> None:
+    """One copy per node (two relays), three engines behind them; an engine that missed the version (its
+    node's relay down) is a failed entry, so the sync does not pass."""
+    from apps.fleet import FleetReport
+    from apps.ray_job import fleet_sync_summary
+
+    report = PublishReport(version=3, bytes=100, seconds={"total": 0.2},
+                           engines=(_relay("a", _engine("e1"), _engine("e2")), _relay("b", _engine("e0"))))
+    fleet = FleetReport(3, True, "all", ("e0", "e1", "e2"), (), (), {"a": {}, "b": {}}, report, {"total": 0.25})
+    sync = fleet_sync_summary(fleet, ["e0", "e1", "e2"])
+    assert [e["engine"] for e in sync["engines"]] == ["e0", "e1", "e2"]
+    assert sync_passed(sync) and sync["fleet"]["copies_sent"] == 2 and sync["tensors_audited"] == 27
+    missed = FleetReport(3, False, "all", ("e0",), ("e1", "e2"), ("relay@a",), {"a": {}, "b": {}},
+                         PublishReport(version=3, bytes=100, seconds={}, engines=(_relay("b", _engine("e0")),)), {"total": 0.2})
+    sync = fleet_sync_summary(missed, ["e0", "e1", "e2"])
+    assert not sync_passed(sync) and sync["engines"][1]["reason"] == "not current at version 3", sync
