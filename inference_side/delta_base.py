@@ -56,14 +56,15 @@ class BaseStore:
             kept.update(self.take(bucket))
         self.commit(manifest, kept, complete=all(len(b.checksums) == len(b.specs) for b in buckets))
 
-    def take(self, bucket: StagedBucket) -> dict[str, tuple[np.ndarray, int]]:
+    def take(self, bucket: StagedBucket, in_place: bool = True) -> dict[str, tuple[np.ndarray, int]]:
         """A copy of each tensor of a staged bucket (full tensors, verified) and its checksum, for ``commit``
         once the update is applied. Called as each bucket is staged, so the copy overlaps the transfer
         instead of delaying the acknowledgement. A tensor whose base is held at the same size is copied **in
         place** over it (no new pages: the copy runs at memory speed): its base was read only by its own
         bucket's rebuild, done by now. The store is then in flux: ``version`` is 0 until ``commit``, so a
         failed or abandoned update leaves no base, and the next delta is refused (kind ``base``) and resent
-        dense."""
+        dense. ``in_place=False`` always copies into new arrays and leaves the held version intact until
+        ``commit`` (a relay keeps serving joins from it while an update is in flight)."""
         import numpy as np
 
         view = np.frombuffer(bucket.segment.buffer, dtype=np.uint8)
@@ -71,7 +72,7 @@ class BaseStore:
         for spec, checksum in zip(bucket.specs, bucket.checksums, strict=False):
             src = view[spec.offset:spec.offset + spec.nbytes]
             held = self.tensors.get(spec.name)
-            if held is not None and held.nbytes == src.nbytes:
+            if in_place and held is not None and held.nbytes == src.nbytes:
                 self.version = 0  # in flux from here until commit
                 np.copyto(held, src)
                 out[spec.name] = (held, checksum)

@@ -46,10 +46,12 @@ StatusProvider = Callable[[float], tuple[dict[str, Any], list[dict[str, Any]]]]
 
 class SyncReceiver:
     def __init__(self, gate: EngineGate, config: BridgeConfig, on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 port: int = 0, status: StatusProvider | None = None) -> None:
+                 port: int = 0, status: StatusProvider | None = None, bases: BaseStore | None = None) -> None:
         """A receiver for ``gate``; ``start`` binds ``transport.bind_host`` on ``port`` (0: any free port).
         ``status(since)`` answers an operator's ``StatusRequest`` (the engine's status dict and its sync
-        records newer than ``since``); without it the answer is built from ``gate.info()``."""
+        records newer than ``since``); without it the answer is built from ``gate.info()``. ``bases``: a
+        delta base the gate keeps itself (a relay's latest version); the receiver then only reads it (checks
+        and rebuilds), else it keeps its own from every update its engine applied (``sync.delta``)."""
         self.gate = gate
         self.port = port
         self.config = config
@@ -71,7 +73,8 @@ class SyncReceiver:
         self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
         self._curve: ServerCurve | None = None
         # delta updates: the version last applied, to rebuild full tensors from patches
-        self.bases = BaseStore() if config.sync.delta else None
+        self.bases = bases if bases is not None else (BaseStore() if config.sync.delta else None)
+        self._keeps_bases = bases is None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -456,7 +459,7 @@ class SyncReceiver:
             self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
-        if self.bases is not None and m.adapter is None:  # the next delta's base, committed once this one is applied
+        if self.bases is not None and self._keeps_bases and m.adapter is None:  # the next delta's base, committed once applied
             session.kept.update(self.bases.take(session.buckets[index]))
         if session.streaming:
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
@@ -535,7 +538,7 @@ class SyncReceiver:
                     if result.ok and not result.report.get("noop"):
                         m = session.manifest
                         self._served.record(m.checksum, session.sums, (t.name for t in m.tensors), served_scope(m))
-                        if self.bases is not None:
+                        if self.bases is not None and self._keeps_bases:
                             self.bases.commit(m, session.kept)
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)

@@ -45,7 +45,6 @@ from bridge.report import ApplyResult, FailureKind, LoadResult, describe, kind_o
 from bridge.sender import PublishReport, UpdateSender
 from inference_side.contract import EngineGate, StagedBucket
 from inference_side.delta_base import BaseStore
-from inference_side.delta_base import copy as copy_bucket
 from inference_side.receiver import SyncReceiver
 from inference_side.server import resolve_config
 
@@ -177,7 +176,7 @@ class RelayGate(EngineGate):
             failed = self._result(manifest, forward.outcome, {}, forward.started)
             return LoadResult(failed.reason, failed.kind, frozenset(forward.held))
         if manifest.adapter is None and manifest.shards is None:  # kept as the node's latest version
-            forward.kept.update(copy_bucket(bucket))
+            forward.kept.update(self.latest.take(bucket, in_place=False))
         if forward.thread is None:
             return LoadResult()
         forward.held.add(bucket.segment.name)
@@ -264,9 +263,10 @@ class Relay:
         self.gate = RelayGate(engines, self.config, self.name, dtype)
         self.members: dict[str, str] = dict(zip(names or engines, engines, strict=True))  # engine name -> endpoint
         self.joins: list[dict[str, Any]] = []  # every join: engine, version sent, seconds, ok
-        self.receiver = SyncReceiver(self.gate, self.config, port=port)
-        if self.receiver.bases is not None:  # one copy per node: the delta base is the kept latest version
-            self.receiver.bases = self.gate.latest
+        # one copy per node: the delta base is the kept latest version, which the gate keeps (whatever its
+        # engines answered); the receiver only reads it
+        self.receiver = SyncReceiver(self.gate, self.config, port=port,
+                                     bases=self.gate.latest if self.config.sync.delta else None)
         self._closed = False
         try:
             self._endpoint = self.receiver.start()
