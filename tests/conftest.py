@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import start_local_ray
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -48,10 +48,7 @@ def start_receiver() -> Any:
 def ray_session() -> Any:
     import ray
 
-    # address="local": a new cluster of this test session's own, never one another process started on this
-    # machine (ray.init() alone joins the newest one it finds, e.g. a namespace cluster's head)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    start_local_ray()
     yield ray
     ray.shutdown()
 

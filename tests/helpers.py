@@ -172,3 +172,40 @@ def vllm_serve(ckpt: Path, port: int, log_path: Path, tp: int = 1, startup_s: fl
 
     with served(ckpt, port, log_path, tp=tp, extra=extra, env=child_env(), start_timeout_s=startup_s) as url:
         yield url
+
+
+def start_local_ray() -> None:
+    """The test session's own Ray: always a new local cluster (``address="local"``), never another cluster found
+    on the machine (``ray.init()`` alone joins the newest one it finds, e.g. a namespace cluster's head)."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+
+
+@contextmanager
+def ray_connected(address: str, env: dict[str, str] | None = None, namespace: str | None = None) -> Iterator[Any]:
+    """This process as a driver of the Ray cluster at ``address`` (with ``env``, e.g. a cluster's auth token, in
+    ``os.environ`` meanwhile), then back: the test session's own local Ray (``ray_session``) is shut down first
+    (a process drives one cluster at a time) and started again on the way out when it was running."""
+    import ray
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    was = ray.is_initialized()
+    ray.shutdown()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    reset_auth_token_state()  # Ray caches the auth mode and token of the first cluster this process joined
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        yield ray
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        reset_auth_token_state()
+        if was:
+            start_local_ray()

@@ -1,11 +1,11 @@
 """A fleet across Ray nodes (apps/fleet.py): engines placed on three nodes of a real Ray cluster, one relay per
 node, engines that start without a checkpoint and join (or rejoin after being killed) current, dead relays found.
 
-One ``ray.cluster_utils.Cluster`` of 3 nodes on this host (head + 2, each with its own custom resource, so
-where an actor runs is checkable), real ``RelayActor``s and real vLLM engines (tiny Qwen2, ``InferenceActor``
+A 3-node Ray cluster on this host whose two worker nodes are hosts of their own (network and mount namespaces,
+devtools/netns_cluster.py; where an actor runs is checked by its node id and address), real ``RelayActor``s and real vLLM engines (tiny Qwen2, ``InferenceActor``
 started from a ``ModelSpec``: config files and tensor table only, ``load_format="dummy"``). The scenario runs
 once (module fixture) and the tests check what it saw; the oracle is an engine cold-loaded from each version
-the trainer published (devtools/coldload.py). Ports: the cluster's and the relays' from 43100-43999.
+the trainer published (devtools/coldload.py).
 """
 
 from __future__ import annotations
@@ -16,44 +16,27 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = pytest.mark.engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300, 7]]
-NODE_RESOURCES = ["wb_fleet_head", "wb_fleet_a", "wb_fleet_b"]
-
-
-def _node_args(index: int) -> dict[str, Any]:
-    base = 43100 + 100 * index
-    args: dict[str, Any] = {
-        "num_cpus": 1, "resources": {NODE_RESOURCES[index]: 1}, "include_dashboard": False,
-        "node_manager_port": base + 1, "object_manager_port": base + 2, "metrics_export_port": base + 3,
-        "metrics_agent_port": base + 4, "dashboard_agent_listen_port": base + 5, "runtime_env_agent_port": base + 6,
-        "min_worker_port": base + 20, "max_worker_port": base + 99, "object_store_memory": 150 * 1024 * 1024,
-    }
-    if index == 0:
-        args |= {"gcs_server_port": base, "ray_client_server_port": base + 7}
-    return args
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Any:
-    import os
-
-    import ray
-    from ray.cluster_utils import Cluster
+    """Three Ray nodes on this host, the two worker nodes hosts of their own (devtools/netns_cluster.py: a network
+    namespace each on a bridge, a private /dev/shm, a raylet started with the node's address). Relays bind their
+    node's address, so the publisher in this process reaches them over the bridge, with the fleet's CURVE keys."""
+    from devtools.netns_cluster import NamespaceCluster
+    from tests.helpers import ray_connected
 
     # the machine is shared with other engines: Ray's own out-of-memory killer must not pick this cluster's
     # workers because of theirs (the raylets read this when they start)
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
-    c = Cluster(initialize_head=True, head_node_args=_node_args(0))
-    try:
-        nodes = [c.head_node, c.add_node(**_node_args(1)), c.add_node(**_node_args(2))]
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace="wb-fleet-test", log_to_driver=False)
-        yield {"cluster": c, "nodes": [n.node_id for n in nodes]}
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    extra = {"RAY_memory_monitor_refresh_ms": "0", "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with NamespaceCluster(2, prefix="wbf", subnet="10.201.1.0/24", port=45110, num_cpus=1, extra_env=extra) as c:
+        with ray_connected(c.address, c.env(), namespace="wb-fleet-test") as ray:
+            by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            ips = [c.plan.head_ip, *(n.ip for n in c.plan.nodes)]
+            yield {"cluster": c, "nodes": [by_ip[ip] for ip in ips], "ips": ips}
 
 
 def _weights(seed: int) -> Any:
@@ -91,7 +74,7 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
     tmp: Path = tmp_path_factory.mktemp("fleet")
     head, node_a, node_b = cluster["nodes"]
     spec = ModelSpec.from_checkpoint(save_checkpoint(_weights(0), tmp / "v0"))  # headers + config only
-    seen: dict[str, Any] = {"nodes": cluster["nodes"], "checkpoints": {}}
+    seen: dict[str, Any] = {"nodes": cluster["nodes"], "ips": cluster["ips"], "checkpoints": {}}
     fleet = Fleet(spec, dtype="bfloat16", nodes=[head, node_a, node_b], namespace="wb-fleet-test", name="wbf",
                   relay_port=43900, probe_timeout_s=8.0, start_timeout_s=600.0)
     try:
@@ -194,6 +177,9 @@ def test_each_node_takes_one_copy_and_every_engine_equals_a_cold_load(run: Any) 
         report = run[key]
         assert report.published and sorted(report.current) == sorted(run["first"]), report
         assert len(report.report.engines) == 3  # the publisher sent 3 copies: one per node's relay
+        # each relay listens on its own node's address (reached over the bridge, not loopback)
+        assert sorted(e.endpoint.rsplit(":", 1)[0] for e in report.report.engines) == sorted(
+            f"tcp://{ip}" for ip in run["ips"]), [e.endpoint for e in report.report.engines]
         for eng in report.report.engines:
             assert eng.ok and eng.verified and eng.bytes == report.report.bytes, eng
             assert len(eng.engine["relayed"]) == 1 and eng.engine["relayed"][0]["verified"], eng.engine
