@@ -68,6 +68,7 @@ class JobArgs:
     linger_s: float = 0.0
     engines: int = 1
     lora: int = 0
+    node_resource: str | None = None  # engines only on nodes holding this custom Ray resource
 
 
 def engine_names(name: str, count: int) -> list[str]:
@@ -277,7 +278,8 @@ def run(args: JobArgs) -> int:
         spec = ModelSpec.from_checkpoint(save_checkpoint(policy, Path(tmp) / "v0"))
     names = engine_names(args.actor_name, args.engines)
     fleet = Fleet(spec, dtype=args.dtype, tp=args.tp, config=args.config, engine_options=options,
-                  namespace=args.namespace, name=args.actor_name, start_timeout_s=args.start_timeout_s)
+                  namespace=args.namespace, name=args.actor_name, start_timeout_s=args.start_timeout_s,
+                  resource=args.node_resource)
     try:
         fleet.add(args.engines, names=names)
         logger.info("fleet: %s", json.dumps(fleet.status()))
@@ -293,11 +295,13 @@ def run(args: JobArgs) -> int:
         if args.linger_s > 0:
             logger.info("keeping engines %s up for %.0fs (dashboards may read them)", names, args.linger_s)
             time.sleep(args.linger_s)
-        nodes = {n: len(v["engines"]) for n, v in fleet.status()["nodes"].items()}
+        status = fleet.status()["nodes"]
+        nodes = {n: len(v["engines"]) for n, v in status.items()}
+        relays = sorted(v["relay"] for v in status.values() if v["relay"])
     finally:
         fleet.close()
     failed = [x["version"] for x in lines if not sync_passed(x["sync"])]
-    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "engines": names, "nodes": nodes,
+    summary: dict[str, Any] = {"loop": args.loop, "steps": args.steps, "engines": names, "nodes": nodes, "relays": relays,
                                "syncs": len(lines), "syncs_passed": len(lines) - len(failed), "failed_versions": failed,
                                "lora": args.lora}
     if args.loop == "grpo" and lines:
@@ -318,6 +322,8 @@ def parse(argv: list[str] | None = None) -> JobArgs:
     p.add_argument("--actor-name", default="engine-0",
                    help="name of the (first) InferenceActor; more engines are NAME-1, NAME-2, ... (default: engine-0)")
     p.add_argument("--engines", type=int, default=1, help="engine actors fed by the one trainer (default: 1)")
+    p.add_argument("--node-resource", metavar="NAME",
+                   help="place engines only on nodes holding this custom Ray resource (default: any alive node)")
     p.add_argument("--namespace", default="weight-bridge", help="Ray namespace (default: weight-bridge)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size of the engine")
     p.add_argument("--dtype", default="bfloat16", help="engine dtype")
@@ -337,7 +343,7 @@ def parse(argv: list[str] | None = None) -> JobArgs:
     if a.lora < 0 or (a.lora and a.loop != "grpo"):
         p.error("--lora R (R >= 1) trains an adapter in the GRPO loop only (--loop grpo)")
     return JobArgs(a.loop, a.kind, a.steps, a.seed, a.actor_name, a.namespace, a.tp, a.dtype, a.config, a.start_timeout,
-                   a.linger, a.engines, a.lora)
+                   a.linger, a.engines, a.lora, a.node_resource)
 
 
 def main(argv: list[str] | None = None) -> int:

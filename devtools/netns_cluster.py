@@ -66,11 +66,12 @@ class ClusterPlan:
 
 
 def plan_cluster(workers: int, *, prefix: str = "wbn", subnet: str = "10.201.0.0/24", port: int = 45100,
-                 resources: bool = True) -> ClusterPlan:
+                 resources: bool = True, worker_resources: dict[str, float] | None = None) -> ClusterPlan:
     """The names and addresses of a cluster with ``workers`` worker nodes on ``subnet``: the head takes the
     first host address, node *i* (from 1) the next ones. Interface names stay within Linux's 15 characters.
     With ``resources``, each node gets a custom resource named after it (``node_head``, ``node_w1``, ...),
-    so a test can place an actor on a node by resource."""
+    so a test can place an actor on a node by resource; ``worker_resources`` go to every worker node (e.g. a
+    resource marking inference nodes)."""
     if workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     net = ipaddress.ip_network(subnet)
@@ -81,7 +82,7 @@ def plan_cluster(workers: int, *, prefix: str = "wbn", subnet: str = "10.201.0.0
         raise ValueError(f"prefix must be alphanumeric and at most 8 characters (interface names), got {prefix!r}")
     nodes = tuple(
         NodeSpec(name=f"w{i}", namespace=f"{prefix}-w{i}", veth_root=f"{prefix}v{i}", veth_node=f"{prefix}p{i}",
-                 ip=str(hosts[i]), resources={f"node_w{i}": 1.0} if resources else {})
+                 ip=str(hosts[i]), resources={**({f"node_w{i}": 1.0} if resources else {}), **(worker_resources or {})})
         for i in range(1, workers + 1))
     return ClusterPlan(prefix=prefix, bridge=f"{prefix}br0", head_ip=str(hosts[0]), prefix_len=net.prefixlen,
                        port=port, nodes=nodes, head_resources={"node_head": 1.0} if resources else {})
@@ -199,14 +200,15 @@ class NamespaceCluster:
     def __init__(self, workers: int = 2, *, prefix: str = "wbn", subnet: str = "10.201.0.0/24", port: int = 45100,
                  num_cpus: int = 2, object_store_bytes: int = 256 << 20, shm_bytes: int = 4 << 30,
                  deadline_s: float = 120.0, extra_env: dict[str, str] | None = None,
-                 dashboard_port: int | None = None) -> None:
-        self.plan = plan_cluster(workers, prefix=prefix, subnet=subnet, port=port)
+                 dashboard_port: int | None = None, worker_resources: dict[str, float] | None = None,
+                 token: str | None = None) -> None:
+        self.plan = plan_cluster(workers, prefix=prefix, subnet=subnet, port=port, worker_resources=worker_resources)
         self.num_cpus = num_cpus
         self.object_store_bytes = object_store_bytes
         self.shm_bytes = shm_bytes
         self.deadline_s = deadline_s
         self.dashboard_port = dashboard_port
-        self.token = uuid.uuid4().hex + uuid.uuid4().hex
+        self.token = token or uuid.uuid4().hex + uuid.uuid4().hex
         self.extra_env = dict(extra_env or {})
         self.temp_dir = ""
         self.workers: list[subprocess.Popen[bytes]] = []

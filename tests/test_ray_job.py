@@ -1,16 +1,19 @@
 """The Ray job (GRPO loop, two engines of a fleet fed by one publish) passes every sync and the reward rises, on a
-real local Ray head node.
+3-node Ray cluster whose worker nodes are hosts of their own.
 
-``ray start --head`` (own ports and temp dir, so other Ray instances on the machine are untouched),
-``ray job submit --working-dir <repo> --no-wait -- python -m apps.ray_job --loop grpo --engines 2``
-with ``configs/same-host.yaml``: the fleet (apps/fleet.py) puts both engines on the one node behind one relay,
-which takes each version once and hands it to both over shared memory; the engines start without a checkpoint
-and get the initial policy as version 1. Poll until the job ends, read its logs: the job succeeded, every sync
-passed on both engines (applied, audited, probe within bound, over shm) and the GRPO reward rose. While the job runs, ``weight-bridge serve --actor``
-polls the job's two named inference actors, as an operator's dashboard would.
+``devtools/netns_cluster.py`` (each worker node a network namespace on a bridge with a private /dev/shm and its
+own raylet; the head in this namespace with the jobs API), then
+``ray job submit --working-dir <repo> --no-wait -- python -m apps.ray_job --loop grpo --engines 2
+--node-resource wb_worker`` with ``configs/same-host.yaml``: the fleet (apps/fleet.py) puts one engine on each
+worker node behind that node's relay (bound to the node's address, CURVE keys made by the fleet), so each version
+crosses to each node once; the engines start without a checkpoint and get the initial policy as version 1. Poll
+until the job ends, read its logs: the job succeeded, every sync passed on both engines (applied, audited, probe
+within bound, handed over by the relay over shm) and the GRPO reward rose. While the job runs, ``weight-bridge
+serve --actor`` polls the job's two named inference actors, as an operator's dashboard would.
 
-The same job with ``--lora 8`` (one engine started with LoRA enabled) trains a LoRA adapter on the frozen base:
-every sync carries the adapter alone and is verified, the base stays at version 1 (the initial policy), the reward rises.
+The same job with ``--lora 8`` (one engine started with LoRA enabled, on the head) trains a LoRA adapter on the
+frozen base: every sync carries the adapter alone and is verified, the base stays at version 1 (the initial
+policy), the reward rises.
 """
 
 from __future__ import annotations
@@ -18,11 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -39,6 +39,7 @@ STEPS = 16
 ACTOR = "engine-rayjob"
 ACTORS = [ACTOR, f"{ACTOR}-1"]  # --engines 2: the job names the second engine NAME-1
 BIN = Path(sys.executable).parent
+WORKER_RESOURCE = "wb_worker"  # held by the cluster's two worker nodes: the GRPO job's engines go there, one each
 JOB_TIMEOUT_S = 600
 
 
@@ -75,49 +76,17 @@ def _job_status(address: str, submission_id: str) -> str:
     return found.group(1) if found else f"UNKNOWN (rc {proc.returncode}: {out[-300:]!r})"
 
 
-def _stop_head(temp_dir: str) -> None:
-    """Terminate exactly the processes of our head node: those whose command line names our temp
-    dir, and their descendants (workers, the job's driver). Never ``ray stop``: it kills every Ray
-    process on the machine, including other test sessions'."""
-    import psutil
-
-    ours: dict[int, Any] = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if temp_dir in " ".join(proc.info["cmdline"] or []):
-                ours[proc.pid] = proc
-                for child in proc.children(recursive=True):
-                    ours[child.pid] = child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    ours.pop(os.getpid(), None)
-    for proc in ours.values():
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            continue
-    _, alive = psutil.wait_procs(list(ours.values()), timeout=15)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            continue
-
-
 @pytest.fixture(scope="module")
 def head() -> Any:
-    temp_dir = tempfile.mkdtemp(prefix="wbrj-", dir="/tmp")  # short: Ray puts unix sockets under it
-    gcs, dash = free_port(), free_port()
-    cmd = [str(BIN / "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
-           "--num-cpus=2", "--include-dashboard=true", f"--temp-dir={temp_dir}", "--disable-usage-stats",
-           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"]
-    proc = subprocess.run(cmd, env=_ray_env(), capture_output=True, text=True, timeout=300)
-    try:
-        assert proc.returncode == 0, f"ray start failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-        yield {"dashboard": f"http://127.0.0.1:{dash}", "gcs": f"127.0.0.1:{gcs}", "temp_dir": temp_dir}
-    finally:
-        _stop_head(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    """A 3-node Ray cluster on this host whose two worker nodes are hosts of their own (devtools/netns_cluster.py:
+    network and mount namespaces, a raylet each) and hold the ``wb_worker`` resource the job places its engines
+    by; the head (this namespace) runs the dashboard and the job's driver."""
+    from devtools.netns_cluster import NamespaceCluster
+
+    extra = {"RAY_memory_monitor_refresh_ms": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with NamespaceCluster(2, prefix="wbrj", subnet="10.201.2.0/24", port=45120, num_cpus=2, dashboard_port=free_port(),
+                          worker_resources={WORKER_RESOURCE: 1.0}, token=TOKEN, extra_env=extra) as cluster:
+        yield {"dashboard": cluster.dashboard, "gcs": cluster.address, "ips": [n.ip for n in cluster.plan.nodes]}
 
 
 def _get_json(url: str) -> Any:
@@ -155,7 +124,8 @@ def job(head: Any) -> Any:
     """Submit the GRPO job, watch it (and its actor through the dashboard) until it ends."""
     submission_id = f"wb-grpo-{uuid.uuid4().hex[:8]}"
     entry = ["python", "-m", "apps.ray_job", "--loop", "grpo", "--steps", str(STEPS),
-             "--actor-name", ACTOR, "--engines", str(len(ACTORS)), "--config", "configs/same-host.yaml", "--linger", "30"]
+             "--actor-name", ACTOR, "--engines", str(len(ACTORS)), "--node-resource", WORKER_RESOURCE,
+             "--config", "configs/same-host.yaml", "--linger", "30"]
     address = head["dashboard"]
     submit = _ray("job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
                   "--no-wait", "--", *entry, timeout=300)
@@ -186,7 +156,7 @@ def job(head: Any) -> Any:
     lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
     return {"status": status, "logs": logs, "steps": [x for x in lines if "step" in x],
             "summary": next((x["summary"] for x in lines if "summary" in x), None), "views": views,
-            "page": page, "rendered_live": rendered_live}
+            "page": page, "rendered_live": rendered_live, "ips": head["ips"]}
 
 
 def _all_served(view: dict[str, Any]) -> bool:
@@ -204,14 +174,16 @@ def test_job_succeeds_and_every_sync_passed(job: Any) -> None:
     for s in steps:
         sync = s["sync"]
         assert [e["engine"] for e in sync["engines"]] == ACTORS, sync  # one publish reached both engines
-        assert sync["fleet"]["copies_sent"] == 1 and sync["fleet"]["published"], sync["fleet"]  # one node: one copy
+        assert sync["fleet"]["copies_sent"] == 2 and sync["fleet"]["published"], sync["fleet"]  # one copy per node
         for eng in sync["engines"]:
             assert eng["ok"] and eng["verified"] and eng["transport"] == "shm", eng
             assert eng["tensors_audited"] > 0 and not eng["stale_tensors"] and not eng["identity_violations"], eng
             assert eng["probe_mean_abs_logprob_diff"] is not None and not eng["probe_flagged"], eng
     summary = job["summary"]
     assert summary and summary["syncs"] == summary["syncs_passed"] == STEPS and summary["failed_versions"] == [], summary
-    assert summary["engines"] == ACTORS and list(summary["nodes"].values()) == [2], summary
+    assert summary["engines"] == ACTORS and sorted(summary["nodes"].values()) == [1, 1], summary  # one per worker node
+    # each worker node's relay listens on that node's own address
+    assert [r.split("//")[1].rsplit(":", 1)[0] for r in summary["relays"]] == sorted(job["ips"]), summary["relays"]
 
 
 def test_grpo_reward_rises(job: Any) -> None:
