@@ -262,7 +262,9 @@ class MetricsHub:
         """Every known engine with version, lag and health, the trainer version and the active alerts."""
         with self._lock:
             now = time.time()
-            engines = [self._engine_view(e, now) for _, e in sorted(self._engines.items())]
+            # the fleet by node: engines of one node next to each other (by node address, then name)
+            engines = sorted((self._engine_view(e, now) for e in self._engines.values()),
+                             key=lambda v: (v["node"] or "", v["engine"]))
             return {"trainer_version": self._trainer_version, "probe_threshold": self.probe_threshold,
                     "uptime_s": now - self._started, "engines": engines, "alerts": self._alerts()}
 
@@ -286,6 +288,7 @@ class MetricsHub:
             "health": health, "degraded": degraded is not None, "degraded_reason": degraded,
             "reachable": engine.unreachable is None, "unreachable_reason": engine.unreachable,
             "endpoint": status.get("endpoint"), "tp_size": status.get("tp_size"), "dtype": status.get("dtype"),
+            "node": status.get("node_ip"),
             "status_age_s": None if engine.status_at is None else now - engine.status_at,
             "syncs": engine.syncs, "failures": engine.failures, "last_sync": last,
             "sequences_generated": status.get("sequences_generated"),

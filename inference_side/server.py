@@ -47,6 +47,16 @@ class UnknownAdapter(BridgeError):
     """Generation asked for a LoRA adapter of which the engine serves no version."""
 
 
+def _ray_node_ip() -> str | None:
+    """The address of the Ray node this process runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address()) if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return None
+
+
 def _ray_node() -> str | None:
     """The Ray node this process runs on (None outside Ray)."""
     try:
@@ -197,6 +207,7 @@ class InferenceServer(EngineGate):
             "ready": self.ready(),
             "unverified": self._unverified,
             "node": _ray_node(),
+            "node_ip": _ray_node_ip(),
             "tp_size": self.tp_size,
             "dtype": self.dtype,
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],

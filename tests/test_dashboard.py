@@ -109,6 +109,16 @@ def test_page_is_self_contained(service: DashboardService) -> None:
     assert "<script src" not in html and "api/records" in html and "api/engines" in html
 
 
+def test_engines_are_listed_by_node() -> None:
+    """The fleet by node: each engine's view names the address of the Ray node it runs on, and engines of one node
+    are listed next to each other (by node, then name), whatever order they were first seen in."""
+    hub = MetricsHub()
+    for name, ip in (("a", "10.0.0.3"), ("b", "10.0.0.2"), ("c", "10.0.0.3"), ("d", None)):
+        hub.set_engine_status(status(name, 1) | ({"node_ip": ip} if ip else {}))
+    assert [(e["node"], e["engine"]) for e in hub.engines()["engines"]] == [
+        (None, "d"), ("10.0.0.2", "b"), ("10.0.0.3", "a"), ("10.0.0.3", "c")]
+
+
 # ---- poller --------------------------------------------------------------------------------------
 def test_poller_feeds_status_and_records_without_double_counting() -> None:
     hub = MetricsHub()

@@ -228,6 +228,8 @@ def test_live_dashboard_in_chromium_charts_every_sync(job: Any) -> None:
         row = rows[actor]
         assert (row.find("engine-version").text, row.find("engine-health").text) == (f"v{STEPS + 1}", "ok")
         assert row.find("engine-rollouts").text == str(STEPS * share)
+    # the fleet by node: each engine's row names its worker node's address
+    assert sorted(rows[a].find("engine-node").text for a in ACTORS) == sorted(job["ips"]), [r.text for r in rows.values()]
     assert page.find_all("alert-item") == [], [i.text for i in page.find_all("alert-item")]
     shot = (ARTIFACTS / "dashboard-live.png").read_bytes()
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 30_000, "the screenshot is missing or blank"
