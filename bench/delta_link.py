@@ -38,6 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.run import Versions
+
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -171,15 +173,6 @@ def _config(plan: Plan, delta: bool) -> dict[str, Any]:
 
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-class Versions:
-    def __init__(self) -> None:
-        self.v = 1
-
-    def next(self) -> int:
-        self.v += 1
-        return self.v
 
 
 def measure_block(trainer: Child, engine: Child, endpoint: str, plan: Plan, density: float, delta: bool,
