@@ -180,6 +180,7 @@ class Fleet:
         self._publisher: Any = None
         self._publisher_endpoints: list[str] = []
         self._counter = 0
+        self._relay_starts = 0  # relays started (a restarted relay gets a new actor name)
 
     # ---- nodes and configs ---------------------------------------------------------------------
     def eligible_nodes(self) -> list[str]:
@@ -248,7 +249,9 @@ class Fleet:
             port = self.relay_port + len(self.relays) + len(started) if self.relay_port else 0
             started[node] = RelayActor.options(  # type: ignore[attr-defined]
                 namespace=self.namespace, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            ).remote([], config=self.relay_config(node), name=f"{self.name}-relay-{node[:8]}", port=port, dtype=self.dtype)
+            ).remote([], config=self.relay_config(node), name=f"{self.name}-relay-{node[:8]}-{self._relay_starts}", port=port,
+                     dtype=self.dtype)
+            self._relay_starts += 1
         deadline = time.monotonic() + self.start_timeout_s
         for node, handle in started.items():
             try:
@@ -361,6 +364,8 @@ class Fleet:
         found up again (restarted by Ray and rejoined) is ready again."""
         import ray
 
+        for node in [n for n, r in self.relays.items() if r.state == "down"]:
+            self._restart_relay(node)
         pending = {name: m.handle.status.remote() for name, m in self.members.items()}
         relays = {node: r.handle.status.remote() for node, r in self.relays.items() if r.state == "ready"}
         ready, _ = ray.wait([*pending.values(), *relays.values()], num_returns=len(pending) + len(relays),
@@ -392,6 +397,32 @@ class Fleet:
                         logger.warning("relay on %s did not drop %s: %s", member.node, name, exc)
                     self._sweep(member.node, name)
         return down
+
+    def _restart_relay(self, node: str) -> None:
+        """A relay found down by an earlier probe comes back: a new relay on its node, seeded by a peer relay
+        at the newest version the peers hold, and each engine of the node that still answers joins it (sent
+        that version, verified, unless it serves it already). Engines that do not answer stay down. A failed
+        restart is logged and tried again at the next probe."""
+        import ray
+
+        old = self.relays[node]
+        try:
+            self._relays([node])
+        except FleetError as exc:
+            logger.warning("fleet %s: the relay on node %s could not be restarted: %s", self.name, node, exc)
+            return
+        relay = self.relays[node]
+        relay.missed = list(old.missed)
+        logger.info("fleet %s: relay on node %s restarted at %s", self.name, node, relay.endpoint)
+        for member in [m for m in self.members.values() if m.node == node]:
+            try:
+                status = ray.get(member.handle.status.remote(), timeout=self.probe_timeout_s)
+                endpoint = str(status.get("ipc_endpoint") or status.get("endpoint"))
+                joined = ray.get(relay.handle.join.remote(member.name, endpoint), timeout=self.start_timeout_s)
+                logger.info("fleet %s: engine %s rejoined the new relay of %s at version %s", self.name, member.name,
+                            node, joined.get("version"))
+            except Exception as exc:  # noqa: BLE001 - Ray raises several types for a dead actor; it stays down
+                logger.warning("fleet %s: engine %s did not rejoin the relay of %s: %s", self.name, member.name, node, exc)
 
     # ---- publishing ------------------------------------------------------------------------------
     def _publisher_for(self, endpoints: list[str]) -> Any:

@@ -142,6 +142,13 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         seen["status"] = fleet.status()
         seen["members"] = {n: m.to_dict() for n, m in fleet.members.items()}
         seen["history"] = list(fleet.history)
+
+        # the next publish restarts it: a new relay on node a, seeded by a peer, its engines rejoin it
+        old_relay = fleet.relays[node_a].endpoint
+        seen["v5"] = publish(5)
+        seen["relay_a_v5"] = {"old": old_relay, "new": fleet.relays[node_a].endpoint,
+                              "state": fleet.relays[node_a].state, "status": _relay_status(fleet, node_a)}
+        seen["out_v5"] = {n: _outputs(fleet.members[n].handle) for n in fleet.members}
     finally:
         t0 = time.monotonic()
         fleet.close()
@@ -149,7 +156,7 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
     from devtools.coldload import cold_outputs
 
     t0 = time.monotonic()
-    versions = [2, 3]
+    versions = [2, 3, 5]
     cold = cold_outputs([seen["checkpoints"][v] for v in versions], 1, "bfloat16", PROMPTS, max_tokens=8)
     seen["cold"] = {v: cold[seen["checkpoints"][v]] for v in versions}
     seen["timings"]["oracle"] = time.monotonic() - t0
@@ -239,3 +246,19 @@ def test_a_dead_relay_is_detected_and_its_versions_recorded(run: Any) -> None:
     assert all(e["state"] == "down" and 4 in e["missed"] for e in node["engines"]), node
     assert run["history"][-1]["version"] == 4 and sorted(run["history"][-1]["current"]) == sorted(
         n for n in run["members"] if n not in on_a)
+
+
+def test_a_dead_relay_comes_back_at_the_next_publish_and_its_engines_rejoin(run: Any) -> None:
+    """The probe of the next publish starts a new relay on the node (seeded by a peer at version 4), the node's
+    engines, alive all along, rejoin it, and version 5 reaches every engine: all equal a cold load of it."""
+    node_a = run["nodes"][1]
+    v5, relay = run["v5"], run["relay_a_v5"]
+    assert relay["state"] == "ready" and relay["new"] != relay["old"], relay
+    assert relay["new"].startswith(f"tcp://{run['ips'][1]}:"), relay  # on its node's address, like the first
+    assert v5.published and sorted(v5.current) == sorted(run["members"]), v5
+    assert v5.nodes[node_a]["ok"], v5.nodes
+    joins = relay["status"]["joins"]
+    assert len(joins) == 2 and all(j["verified"] and j["version"] == 4 for j in joins), joins  # caught up first
+    for name, out in run["out_v5"].items():
+        assert out["version"] == {5}, name
+        _equal_to_cold(out, run["cold"][5])
