@@ -193,11 +193,17 @@ def test_a_sigkilled_engines_segments_are_swept_and_a_live_engines_kept(tmp_path
             "model": str(ckpt), "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.0, "return_token_ids": True})
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text  # the live engine serves on
     finally:
+        exited = True
         for proc in engines:
             if proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(60)
+                    proc.wait(120)
                 except subprocess.TimeoutExpired:
+                    exited = False
                     _kill_group(proc)
-    assert not any((SHM_DIR / n).exists() for n in live_segs)  # an engine that exits unlinks its own
+    # an engine that exits unlinks its own: its engine-core process may still be on its way out when the API
+    # server's process has exited, so within a deadline (a killed engine leaves them: the sweep's case)
+    if exited:
+        wait_until(lambda: not any((SHM_DIR / n).exists() for n in live_segs), timeout=60,
+                   what=lambda: f"the exited engine's segments unlinked: {sorted(n for n in live_segs if (SHM_DIR / n).exists())}")
