@@ -47,24 +47,16 @@ class UnknownAdapter(BridgeError):
     """Generation asked for a LoRA adapter of which the engine serves no version."""
 
 
-def _ray_node_ip() -> str | None:
-    """The address of the Ray node this process runs on (None outside Ray)."""
+def _ray_node() -> tuple[str | None, str | None]:
+    """The Ray node this process runs on: its id and its address (None, None outside Ray)."""
     try:
         import ray
 
-        return str(ray.util.get_node_ip_address()) if ray.is_initialized() else None
-    except Exception:  # noqa: BLE001 - outside a Ray worker
-        return None
-
-
-def _ray_node() -> str | None:
-    """The Ray node this process runs on (None outside Ray)."""
-    try:
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
+        if not ray.is_initialized():
+            return None, None
+        return str(ray.get_runtime_context().get_node_id()), str(ray.util.get_node_ip_address())
     except Exception:  # noqa: BLE001 - outside a Ray worker the runtime context may not answer
-        return None
+        return None, None
 
 
 def resolve_config(config: BridgeConfig | dict[str, Any] | str | None) -> BridgeConfig:
@@ -197,6 +189,7 @@ class InferenceServer(EngineGate):
         return self._unverified is None and self._degraded is None
 
     def status(self) -> dict[str, Any]:
+        node, node_ip = _ray_node()
         return {
             "engine": self.name,
             "model_path": self.model_path,
@@ -206,8 +199,8 @@ class InferenceServer(EngineGate):
             "degraded": self._degraded,
             "ready": self.ready(),
             "unverified": self._unverified,
-            "node": _ray_node(),
-            "node_ip": _ray_node_ip(),
+            "node": node,
+            "node_ip": node_ip,
             "tp_size": self.tp_size,
             "dtype": self.dtype,
             "sinks": self.setup[0].get("sinks", []) if self.setup else [],
