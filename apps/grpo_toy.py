@@ -19,7 +19,9 @@ on the rollouts themselves (engine's sampling logprobs vs the trainer's float32 
 
     python examples/grpo_toy.py --steps 30
 
-or as a Ray job on a cluster: ``python -m apps.ray_job --loop grpo`` (see apps/ray_job.py).
+or as a Ray job on a cluster: ``python -m apps.ray_job --loop grpo`` (see apps/ray_job.py). With
+``--trainer-ranks N`` the policy is FSDP2-sharded over N ranks, each publishing its own shards
+(apps/grpo_ranks.py): ``torchrun --nproc-per-node 2 examples/grpo_toy.py --trainer-ranks 2``.
 
 With ``--lora R`` the trainer trains a rank-R LoRA adapter (``apps/lora.py``, PEFT's layout, alpha 2R, on
 every linear layer of the decoder blocks: q/k/v/o and gate/up/down) on top of the frozen base; the engines
@@ -302,9 +304,16 @@ def parse(argv: list[str] | None = None) -> tuple[GRPOConfig, argparse.Namespace
     p.add_argument("--actor-name", default="grpo-engine", help="name of the inference actor (for `weight-bridge serve --actor`)")
     p.add_argument("--namespace", default="weight-bridge", help="Ray namespace of the actor")
     p.add_argument("--config", help="weight-bridge config YAML (default: configs/default.yaml)")
+    p.add_argument("--trainer-ranks", type=int, default=1, metavar="N",
+                   help="shard the policy with FSDP2 over N gloo ranks, each publishing its own shards; run under "
+                        "`torchrun --nproc-per-node N` (apps/grpo_ranks.py; default: 1, one process)")
     a = p.parse_args(argv)
     if not 0 <= a.lora <= LORA_RANKS[-1]:
         p.error(f"--lora must be 0 (every weight) or a rank from 1 to {LORA_RANKS[-1]}")
+    if a.trainer_ranks < 1 or (a.trainer_ranks > 1 and a.lora):
+        p.error("--trainer-ranks N takes N >= 1, and N > 1 trains every weight (no --lora)")
+    if a.prompts < a.trainer_ranks:
+        p.error(f"--prompts {a.prompts} leaves some of the {a.trainer_ranks} trainer ranks without a prompt")
     cfg = GRPOConfig(**{f: getattr(a, f) for f in asdict(defaults)})
     return cfg, a
 
@@ -317,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, args = parse(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.trainer_ranks > 1:
+        from apps.grpo_ranks import torchrun_main
+        from bridge.errors import BridgeError
+
+        try:
+            return torchrun_main(cfg, args)
+        except BridgeError as exc:
+            print(f"grpo_toy: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            return 2
     local: dict[str, Any] = {} if args.ray_address else {"num_cpus": 2}  # a local Ray: 2 CPUs
     ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False, **local)
     policy = make_policy(cfg)

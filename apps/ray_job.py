@@ -19,6 +19,10 @@ over shared memory), generating between syncs:
 * ``--loop versions``: fresh random weights of ``--kind`` per step (any preset, also ``gpt_oss``); every
   engine generates greedily from the same prompts.
 
+``--trainer-ranks N`` (GRPO only): the trainer is a Ray Train ``TorchTrainer`` of N CPU workers (gloo, placed
+``STRICT_PACK`` on one node) with the policy FSDP2-sharded over them, each publishing its own shards; the engines
+start from a checkpoint on the driver's node instead of a fleet (apps/grpo_ranks.py).
+
 ``--lora R`` (GRPO only): the engines start with LoRA enabled, the trainer trains a rank-R LoRA adapter on
 the frozen base and each step publishes only the adapter (see apps/grpo_toy.py); the base stays at version 1 (the initial policy).
 
@@ -69,6 +73,8 @@ class JobArgs:
     engines: int = 1
     lora: int = 0
     node_resource: str | None = None  # engines only on nodes holding this custom Ray resource
+    trainer_ranks: int = 1  # GRPO: FSDP2 over this many Ray Train workers (apps/grpo_ranks.py)
+    cpus_per_rank: float = 1.0  # Ray CPUs each trainer rank asks for
 
 
 def engine_names(name: str, count: int) -> list[str]:
@@ -256,6 +262,10 @@ def grpo_config(args: JobArgs) -> Any:
 
 
 def run(args: JobArgs) -> int:
+    if args.trainer_ranks > 1:
+        from apps.grpo_ranks import run_ray_train
+
+        return run_ray_train(args)
     import ray
 
     from apps.fleet import Fleet
@@ -333,7 +343,16 @@ def parse(argv: list[str] | None = None) -> JobArgs:
                    help="keep the engine up this long after the last step, for dashboards (default: 0)")
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="GRPO: train a rank-R LoRA adapter and sync only the adapter (default: 0, every weight)")
+    p.add_argument("--trainer-ranks", type=int, default=1, metavar="N",
+                   help="GRPO: shard the policy with FSDP2 over N Ray Train CPU workers (gloo, one node), each "
+                        "publishing its own shards to engines on the driver's node (default: 1, the driver trains)")
+    p.add_argument("--cpus-per-rank", type=float, default=1.0, help="Ray CPUs per trainer rank (default: 1)")
     a = p.parse_args(argv)
+    if a.trainer_ranks < 1:
+        p.error("--trainer-ranks must be at least 1")
+    if a.trainer_ranks > 1 and (a.loop != "grpo" or a.lora or a.node_resource):
+        p.error("--trainer-ranks N > 1 runs the GRPO loop on every weight (--loop grpo, no --lora), with the engines "
+                "on the driver's node (no --node-resource)")
     if a.steps < 1:
         p.error("--steps must be at least 1")
     if a.engines < 1:
@@ -343,7 +362,7 @@ def parse(argv: list[str] | None = None) -> JobArgs:
     if a.lora < 0 or (a.lora and a.loop != "grpo"):
         p.error("--lora R (R >= 1) trains an adapter in the GRPO loop only (--loop grpo)")
     return JobArgs(a.loop, a.kind, a.steps, a.seed, a.actor_name, a.namespace, a.tp, a.dtype, a.config, a.start_timeout,
-                   a.linger, a.engines, a.lora, a.node_resource)
+                   a.linger, a.engines, a.lora, a.node_resource, a.trainer_ranks, a.cpus_per_rank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,3 +123,34 @@ def test_fleet_summary_lists_each_engine_behind_its_relay_in_the_given_order() -
                          PublishReport(version=3, bytes=100, seconds={}, engines=(_relay("b", _engine("e0")),)), {"total": 0.2})
     sync = fleet_sync_summary(missed, ["e0", "e1", "e2"])
     assert not sync_passed(sync) and sync["engines"][1]["reason"] == "not current at version 3", sync
+
+
+@pytest.mark.parametrize("argv", [
+    ["--trainer-ranks", "0"],
+    ["--trainer-ranks", "2", "--loop", "versions"],
+    ["--trainer-ranks", "2", "--lora", "8"],
+    ["--trainer-ranks", "2", "--node-resource", "wb_worker"],
+])
+def test_job_refuses_trainer_ranks_outside_full_weight_grpo(argv: list[str], capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert "--trainer-ranks" in capsys.readouterr().err
+
+
+def test_job_takes_trainer_ranks_for_grpo() -> None:
+    args = parse(["--loop", "grpo", "--trainer-ranks", "2", "--cpus-per-rank", "0.5"])
+    assert (args.trainer_ranks, args.cpus_per_rank) == (2, 0.5)
+    assert parse([]).trainer_ranks == 1  # the driver trains, as before
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--trainer-ranks", "2", "--lora", "8"], "--trainer-ranks"),
+    (["--trainer-ranks", "0"], "--trainer-ranks"),
+    (["--trainer-ranks", "4", "--prompts", "2"], "without a prompt"),
+])
+def test_grpo_example_refuses_bad_trainer_ranks(argv: list[str], error: str, capsys: Any) -> None:
+    from apps.grpo_toy import parse as grpo_parse
+
+    with pytest.raises(SystemExit):
+        grpo_parse(argv)
+    assert error in capsys.readouterr().err
