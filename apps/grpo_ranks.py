@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -299,7 +300,7 @@ def run_ray_train(args: Any) -> int:
         try:
             trainer = TorchTrainer(
                 ray_train_loop,
-                train_loop_config={"grpo": cfg.__dict__, "engines": names, "endpoints": endpoints,
+                train_loop_config={"grpo": asdict(cfg), "engines": names, "endpoints": endpoints,
                                    "namespace": args.namespace, "config": args.config, "queue": queue},
                 torch_config=TorchConfig(backend="gloo", timeout_s=int(GLOO_TIMEOUT.total_seconds())),
                 scaling_config=ScalingConfig(num_workers=args.trainer_ranks, use_gpu=False,
