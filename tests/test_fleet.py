@@ -157,11 +157,11 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         t0 = time.monotonic()
         fleet.close()
         seen.setdefault("timings", {})["close"] = time.monotonic() - t0
-    from devtools.coldload import cold_outputs
+    from tests.helpers import cold_loader
 
     t0 = time.monotonic()
     versions = [2, 3, 5]
-    cold = cold_outputs([seen["checkpoints"][v] for v in versions], 1, "bfloat16", PROMPTS, max_tokens=8)
+    cold = cold_loader(1).outputs([seen["checkpoints"][v] for v in versions], "bfloat16", PROMPTS, max_tokens=8)
     seen["cold"] = {v: cold[seen["checkpoints"][v]] for v in versions}
     seen["timings"]["oracle"] = time.monotonic() - t0
     print("fleet test timings (s):", {k: round(v, 1) for k, v in seen["timings"].items()})
