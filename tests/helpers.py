@@ -230,9 +230,10 @@ def start_local_ray() -> None:
 
 
 @contextmanager
-def ray_connected(address: str, env: dict[str, str] | None = None, namespace: str | None = None) -> Iterator[Any]:
+def ray_connected(address: str, env: dict[str, str] | None = None, namespace: str | None = None,
+                  runtime_env: dict[str, Any] | None = None) -> Iterator[Any]:
     """This process as a driver of the Ray cluster at ``address`` (with ``env``, e.g. a cluster's auth token, in
-    ``os.environ`` meanwhile), then back: the test session's own local Ray (``ray_session``) is shut down first
+    ``os.environ`` meanwhile; ``runtime_env``: the job's, for every actor it starts), then back: the test session's own local Ray (``ray_session``) is shut down first
     (a process drives one cluster at a time) and started again on the way out when it was running."""
     import ray
     from ray._private.authentication_test_utils import reset_auth_token_state
@@ -243,7 +244,7 @@ def ray_connected(address: str, env: dict[str, str] | None = None, namespace: st
     os.environ.update(env or {})
     reset_auth_token_state()  # Ray caches the auth mode and token of the first cluster this process joined
     try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=runtime_env)
         yield ray
     finally:
         ray.shutdown()
@@ -255,3 +256,21 @@ def ray_connected(address: str, env: dict[str, str] | None = None, namespace: st
         reset_auth_token_state()
         if was:
             start_local_ray()
+
+
+# ---- the session's namespace cluster (the ``netns_cluster`` fixture, tests/conftest.py) ----------------------
+
+# The one multi-node Ray cluster of the session (devtools/netns_cluster.py), for tests/test_fleet.py,
+# tests/test_ray_job.py and tests/test_netns_cluster.py: what each needs, merged. Two worker nodes (hosts of their
+# own) and the head; 2 CPUs per node (a Ray job's driver and engines); the jobs API on the head's address; the
+# worker nodes hold ``wb_worker`` (the job places its engines by it); Ray's out-of-memory killer off (the machine
+# is shared with other engines: it must not pick this cluster's workers because of theirs).
+NETNS = {"prefix": "wbt", "subnet": "10.201.9.0/24", "port": 45190}
+NETNS_WORKER_RESOURCE = "wb_worker"
+
+
+def netns_leftovers(prefix: str) -> str:
+    """The links and network namespaces whose names hold ``prefix`` (one line each)."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return "\n".join(line for line in (links + netns).splitlines() if prefix in line)
