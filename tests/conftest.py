@@ -20,6 +20,36 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on a GPU machine)"))
+    # the tests on the shared namespace cluster run last, back to back: it starts once, idles through no other test
+    # and is torn down (and checked for leftovers) as soon as they are done
+    on_cluster = [item for item in items if "netns_cluster" in getattr(item, "fixturenames", ())]
+    if on_cluster:
+        items[:] = [item for item in items if item not in on_cluster] + on_cluster
+
+
+@pytest.fixture(scope="session")
+def netns_cluster() -> Any:
+    """The session's 3-node namespace cluster (see ``NETNS``; root only). After the last test on it, nothing it
+    made is left: no link or namespace of its prefix, no process of its temp dir (a failure there is an error at
+    that test's teardown)."""
+    import os
+
+    import psutil
+
+    from devtools.netns_cluster import NamespaceCluster
+    from tests.helpers import NETNS, NETNS_WORKER_RESOURCE, free_port, netns_leftovers
+
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    extra = {"RAY_memory_monitor_refresh_ms": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cluster = NamespaceCluster(2, **NETNS, num_cpus=2, dashboard_port=free_port(),
+                               worker_resources={NETNS_WORKER_RESOURCE: 1.0}, extra_env=extra)
+    with cluster:
+        yield cluster
+    left = netns_leftovers(str(NETNS["prefix"]))
+    assert not left, f"the namespace cluster left links or namespaces behind:\n{left}"
+    procs = [p.pid for p in psutil.process_iter(["cmdline"]) if cluster.temp_dir in " ".join(p.info["cmdline"] or [])]
+    assert not procs, f"the namespace cluster left processes behind: {procs}"
 
 
 @pytest.fixture

@@ -118,18 +118,64 @@ def plan_manifest(plan: Any, version: int = 1, **fields: Any) -> wire.Manifest:
 # ---- engines: the oracle, trainers in their own process ------------------------------------------------
 
 _ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+_COLD_LOADERS: dict[int, Any] = {}
+
+
+def cold_loader(tp: int) -> Any:
+    """The session's ``devtools.coldload.ColdLoader`` at TP size ``tp``: one process for every cold load at that
+    size (each still a fresh engine built from the checkpoint), stopped when the session ends."""
+    if tp not in _COLD_LOADERS:
+        import atexit
+
+        from devtools.coldload import ColdLoader
+
+        if not _COLD_LOADERS:
+            atexit.register(lambda: [loader.close() for loader in _COLD_LOADERS.values()])
+        _COLD_LOADERS[tp] = ColdLoader(tp, env=child_env())
+    return _COLD_LOADERS[tp]
 
 
 def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
-    """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (one subprocess)."""
-    from devtools.coldload import cold_outputs
-
+    """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (the session's cold-load process)."""
     todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
     if todo:
-        for model, outs in cold_outputs(todo, tp, dtype, prompts, env=child_env()).items():
+        for model, outs in cold_loader(tp).outputs(todo, dtype, prompts).items():
             _ORACLE_CACHE[(model, tp, dtype)] = outs
     return [_ORACLE_CACHE[(str(m), tp, dtype)] for m in models]
 
+
+
+_LORA_ORACLE_CACHE: dict[tuple[Any, ...], dict[str, list[dict[str, Any]]]] = {}
+
+
+def _content_digest(directory: Path, names: Iterable[str] | None = None) -> str:
+    """A digest of the files of ``directory`` (only ``names`` when given, those present): equal for two directories
+    holding the same weights and configs, wherever they lie."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and (names is None or path.name in names or (path.suffix == ".safetensors" and
+                                                                       "*.safetensors" in names)):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def lora_oracle(base: Path, loras: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS,
+                max_lora_rank: int = 8, max_loras: int = 2) -> dict[str, list[dict[str, Any]]]:
+    """What ``devtools.coldload.cold_lora_outputs`` gives (keys ``"base"`` and each of ``loras`` as a string), computed once
+    per test session for each content: the base's weights and config and each adapter directory's files, TP size,
+    dtype, prompts and LoRA limits (the engine reads no tokenizer: files beside the weights do not count). Modules
+    checking the same adapters on the same base against the oracle, in different directories, share one cold load."""
+    base_key = _content_digest(Path(base), ("config.json", "generation_config.json", "*.safetensors"))
+    lora_keys = [_content_digest(Path(d)) for d in loras]
+    key = (base_key, tuple(lora_keys), tp, dtype, json.dumps(prompts), max_lora_rank, max_loras)
+    if key not in _LORA_ORACLE_CACHE:
+        cold = cold_loader(tp).lora_outputs(str(base), [str(d) for d in loras], dtype, prompts,
+                                            max_lora_rank=max_lora_rank, max_loras=max_loras)
+        _LORA_ORACLE_CACHE[key] = {"base": cold["base"], **{k: cold[str(d)] for k, d in zip(lora_keys, loras, strict=True)}}
+    cached = _LORA_ORACLE_CACHE[key]
+    return {"base": cached["base"], **{str(d): cached[k] for k, d in zip(lora_keys, loras, strict=True)}}
 
 def run_trainer(endpoint: str, kind: str, seeds: list[int], first_version: int, save_dir: Path | None = None,
                 transport: str | None = None, config: str | None = None, timeout: float = 600) -> list[dict[str, Any]]:
@@ -184,9 +230,10 @@ def start_local_ray() -> None:
 
 
 @contextmanager
-def ray_connected(address: str, env: dict[str, str] | None = None, namespace: str | None = None) -> Iterator[Any]:
+def ray_connected(address: str, env: dict[str, str] | None = None, namespace: str | None = None,
+                  runtime_env: dict[str, Any] | None = None) -> Iterator[Any]:
     """This process as a driver of the Ray cluster at ``address`` (with ``env``, e.g. a cluster's auth token, in
-    ``os.environ`` meanwhile), then back: the test session's own local Ray (``ray_session``) is shut down first
+    ``os.environ`` meanwhile; ``runtime_env``: the job's, for every actor it starts), then back: the test session's own local Ray (``ray_session``) is shut down first
     (a process drives one cluster at a time) and started again on the way out when it was running."""
     import ray
     from ray._private.authentication_test_utils import reset_auth_token_state
@@ -197,7 +244,7 @@ def ray_connected(address: str, env: dict[str, str] | None = None, namespace: st
     os.environ.update(env or {})
     reset_auth_token_state()  # Ray caches the auth mode and token of the first cluster this process joined
     try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        ray.init(address=address, namespace=namespace, log_to_driver=False, runtime_env=runtime_env)
         yield ray
     finally:
         ray.shutdown()
@@ -209,3 +256,21 @@ def ray_connected(address: str, env: dict[str, str] | None = None, namespace: st
         reset_auth_token_state()
         if was:
             start_local_ray()
+
+
+# ---- the session's namespace cluster (the ``netns_cluster`` fixture, tests/conftest.py) ----------------------
+
+# The one multi-node Ray cluster of the session (devtools/netns_cluster.py), for tests/test_fleet.py,
+# tests/test_ray_job.py and tests/test_netns_cluster.py: what each needs, merged. Two worker nodes (hosts of their
+# own) and the head; 2 CPUs per node (a Ray job's driver and engines); the jobs API on the head's address; the
+# worker nodes hold ``wb_worker`` (the job places its engines by it); Ray's out-of-memory killer off (the machine
+# is shared with other engines: it must not pick this cluster's workers because of theirs).
+NETNS = {"prefix": "wbt", "subnet": "10.201.9.0/24", "port": 45190}
+NETNS_WORKER_RESOURCE = "wb_worker"
+
+
+def netns_leftovers(prefix: str) -> str:
+    """The links and network namespaces whose names hold ``prefix`` (one line each)."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return "\n".join(line for line in (links + netns).splitlines() if prefix in line)

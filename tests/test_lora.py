@@ -13,7 +13,7 @@ import pytest
 
 from bridge import wire
 from tests.fault_worker import FAULT_WORKER
-from tests.helpers import PROMPTS, assert_same_outputs, child_env
+from tests.helpers import PROMPTS, assert_same_outputs, lora_oracle
 from tests.rawclient import RawClient
 
 pytestmark = pytest.mark.engine
@@ -132,14 +132,11 @@ def served(lora_engine: Any) -> Any:
     the oracle; the engine serves v2."""
     import ray
 
-    from devtools.coldload import cold_lora_outputs
-
     actor, endpoint = lora_engine["actor"], lora_engine["endpoint"]
     spec = adapter_spec()
     v1, v2 = adapter_tensors(11), adapter_tensors(12)
     dirs = [peft_dir(lora_engine["dir"] / f"v{i}", t, spec) for i, t in ((1, v1), (2, v2))]
-    cold = cold_lora_outputs(str(lora_engine["base"]), [str(d) for d in dirs], lora_engine["tp"], "bfloat16", PROMPTS,
-                             max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
+    cold = lora_oracle(lora_engine["base"], dirs, lora_engine["tp"], "bfloat16", max_lora_rank=MAX_RANK, max_loras=2)
     base_before = gen(actor)
     got, reports = {}, {}
     for version, tensors, transport in ((1, v1, "zmq"), (2, v2, "shm")):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bridge import wire
-from tests.helpers import PROMPTS, ROOT, assert_same_outputs, child_env
+from tests.helpers import PROMPTS, ROOT, assert_same_outputs, lora_oracle
 from tests.rawclient import RawClient
 from tests.test_lora import MAX_RANK, NAME, PREFIX, adapter_spec, adapter_tensors, gen, peft_dir, publish
 
@@ -26,14 +26,11 @@ BASE_PORT = 46310  # the LLM engine's receiver (TP rank 0)
 def oracle(checkpoints: Any, tmp_path_factory: Any) -> Any:
     """The adapter's versions (seeds 11 and 12, as in tests/test_lora.py), their PEFT directories and what a
     plain vLLM engine gives under each, and without one."""
-    from devtools.coldload import cold_lora_outputs
-
     base, spec = checkpoints("tiny", 1), adapter_spec()
     tensors = {1: adapter_tensors(11), 2: adapter_tensors(12)}
     root = tmp_path_factory.mktemp("lora-doors")
     dirs = {v: peft_dir(root / f"v{v}", t, spec) for v, t in tensors.items()}
-    cold = cold_lora_outputs(str(base), [str(d) for d in dirs.values()], 1, "bfloat16", PROMPTS,
-                             max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
+    cold = lora_oracle(base, list(dirs.values()), 1, "bfloat16", max_lora_rank=MAX_RANK, max_loras=2)
     return {"base": base, "spec": spec, "tensors": tensors, "want": {v: cold[str(d)] for v, d in dirs.items()},
             "cold_base": cold["base"]}
 

@@ -1,5 +1,7 @@
 """The multi-node Ray cluster on one host (devtools/netns_cluster.py): the plan, and a real 3-node cluster
-whose worker nodes are hosts of their own (network and /dev/shm), torn down without leftovers. Root only."""
+whose worker nodes are hosts of their own (network and /dev/shm). Root only. The real cluster is the session's
+(``netns_cluster`` in tests/conftest.py, shared with tests/test_fleet.py and tests/test_ray_job.py); that it is
+torn down without leftovers is checked when it is torn down, after the last test on it."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from typing import Any
 import pytest
 
 from devtools.netns_cluster import (
-    NamespaceCluster,
     network_commands,
     plan_cluster,
     teardown_commands,
@@ -69,12 +70,6 @@ def test_a_worker_node_gets_its_own_shm_inside_its_namespace() -> None:
     assert f"--address={plan.head_ip}:45100" in script and f"--node-ip-address={plan.nodes[0].ip}" in script
 
 
-def _leftovers(prefix: str) -> str:
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return "\n".join(line for line in (links + netns).splitlines() if prefix in line)
-
-
 PROBE = """
 import json, os, socket, sys
 import ray
@@ -123,23 +118,22 @@ print(json.dumps(out))
 
 
 @needs_root
-def test_worker_nodes_are_hosts_of_their_own_and_nothing_is_left() -> None:
+def test_worker_nodes_are_hosts_of_their_own(netns_cluster: Any) -> None:
     import json
 
-    prefix = "wbt"
-    with NamespaceCluster(2, prefix=prefix, subnet="10.201.9.0/24", port=45190, num_cpus=1) as cluster:
-        nodes = cluster.alive_nodes()
-        assert sorted(n["ip"] for n in nodes) == ["10.201.9.1", "10.201.9.2", "10.201.9.3"]
-        env = cluster.env() | {"PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-c", PROBE, cluster.address], env=env, capture_output=True, text=True,
-                              timeout=180, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        seen: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {seen[r]["ip"] for r in ("node_head", "node_w1", "node_w2")} == {"10.201.9.1", "10.201.9.2", "10.201.9.3"}
+    cluster = netns_cluster
+    head, w1, w2 = cluster.plan.head_ip, *(n.ip for n in cluster.plan.nodes)
+    nodes = cluster.alive_nodes()
+    assert sorted(n["ip"] for n in nodes) == sorted([head, w1, w2])
+    env = cluster.env() | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", PROBE, cluster.address], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    os.unlink(f"/dev/shm/wb-netns-probe-{seen['node_head']['ip']}")
+    assert [seen[r]["ip"] for r in ("node_head", "node_w1", "node_w2")] == [head, w1, w2]
     assert len({seen[r]["net"] for r in ("node_head", "node_w1", "node_w2")}) == 3, "one network namespace per node"
     for r in ("node_w1", "node_w2"):  # each worker node sees only its own file in its /dev/shm
         assert seen[r]["shm"] == [f"wb-netns-probe-{seen[r]['ip']}"], seen[r]
     assert seen["node_w2"]["reach"] is True, "a node reaches another node's address over the bridge"
     assert seen["loopback_crosses"] is False, "a node's loopback is its own"
-    assert not _leftovers(prefix), _leftovers(prefix)
-    os.unlink(f"/dev/shm/wb-netns-probe-{seen['node_head']['ip']}")

@@ -2,7 +2,7 @@
 3-node Ray cluster whose worker nodes are hosts of their own.
 
 ``devtools/netns_cluster.py`` (each worker node a network namespace on a bridge with a private /dev/shm and its
-own raylet; the head in this namespace with the jobs API), then
+own raylet; the head in this namespace with the jobs API; the session's, shared with tests/test_fleet.py), then
 ``ray job submit --working-dir <repo> --no-wait -- python -m apps.ray_job --loop grpo --engines 2
 --node-resource wb_worker`` with ``configs/same-host.yaml``: the fleet (apps/fleet.py) puts one engine on each
 worker node behind that node's relay (bound to the node's address, CURVE keys made by the fleet), so each version
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, child_env, free_port
+from tests.helpers import NETNS_WORKER_RESOURCE, ROOT, child_env, free_port
 
 pytestmark = pytest.mark.engine
 
@@ -39,33 +39,30 @@ STEPS = 16
 ACTOR = "engine-rayjob"
 ACTORS = [ACTOR, f"{ACTOR}-1"]  # --engines 2: the job names the second engine NAME-1
 BIN = Path(sys.executable).parent
-WORKER_RESOURCE = "wb_worker"  # held by the cluster's two worker nodes: the GRPO job's engines go there, one each
+WORKER_RESOURCE = NETNS_WORKER_RESOURCE  # held by the cluster's two worker nodes: the GRPO job's engines go there, one each
 JOB_TIMEOUT_S = 600
-
-
-# Ray 2.60 turns token authentication on for `ray start` whenever ~/.ray/auth_token exists (any earlier
-# ray.init creates it), and then every client needs the token. Make it explicit and private to this test:
-# every process we start (head, job submit/status/logs, dashboard) gets the same fresh token.
-TOKEN = uuid.uuid4().hex + uuid.uuid4().hex
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
-def _ray_env() -> dict[str, str]:
+def _ray_env(token: str) -> dict[str, str]:
+    """Ray 2.60 turns token authentication on for `ray start` whenever ~/.ray/auth_token exists (any earlier
+    ray.init creates it), and then every client needs the token: every process we start (job submit/status/logs,
+    dashboard) gets the cluster's."""
     env = child_env(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0",
-                    RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+                    RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     return env
 
 
-def _ray(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "ray"), *args], env=_ray_env(), capture_output=True, text=True,
+def _ray(head: dict[str, Any], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "ray"), *args], env=_ray_env(head["token"]), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
-def _job_status(address: str, submission_id: str) -> str:
+def _job_status(head: dict[str, Any], submission_id: str) -> str:
     """The status `ray job status` prints, in JobStatus spelling (its wording differs per status)."""
-    proc = _ray("job", "status", "--address", address, "--log-style", "record", submission_id)
+    proc = _ray(head, "job", "status", "--address", head["dashboard"], "--log-style", "record", submission_id)
     out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
     job = re.escape(f"'{submission_id}'")
     for pattern, status in ((rf"Job {job} succeeded", "SUCCEEDED"), (rf"Job {job} failed", "FAILED"),
@@ -77,16 +74,13 @@ def _job_status(address: str, submission_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def head() -> Any:
-    """A 3-node Ray cluster on this host whose two worker nodes are hosts of their own (devtools/netns_cluster.py:
-    network and mount namespaces, a raylet each) and hold the ``wb_worker`` resource the job places its engines
-    by; the head (this namespace) runs the dashboard and the job's driver."""
-    from devtools.netns_cluster import NamespaceCluster
-
-    extra = {"RAY_memory_monitor_refresh_ms": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with NamespaceCluster(2, prefix="wbrj", subnet="10.201.2.0/24", port=45120, num_cpus=2, dashboard_port=free_port(),
-                          worker_resources={WORKER_RESOURCE: 1.0}, token=TOKEN, extra_env=extra) as cluster:
-        yield {"dashboard": cluster.dashboard, "gcs": cluster.address, "ips": [n.ip for n in cluster.plan.nodes]}
+def head(netns_cluster: Any) -> Any:
+    """A 3-node Ray cluster on this host whose two worker nodes are hosts of their own (the session's namespace
+    cluster, tests/conftest.py: network and mount namespaces, a raylet each) and hold the ``wb_worker`` resource
+    the job places its engines by; the head (this namespace) runs the dashboard and the job's driver."""
+    cluster = netns_cluster
+    return {"dashboard": cluster.dashboard, "gcs": cluster.address, "ips": [n.ip for n in cluster.plan.nodes],
+            "token": cluster.token}
 
 
 def _get_json(url: str) -> Any:
@@ -94,11 +88,11 @@ def _get_json(url: str) -> Any:
         return json.loads(resp.read().decode())
 
 
-def _start_dashboard(gcs: str) -> tuple[subprocess.Popen[str], str]:
+def _start_dashboard(head: dict[str, Any]) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "apps.cli", "serve", "--port", str(port), "--ray-address", gcs,
+    cmd = [sys.executable, "-m", "apps.cli", "serve", "--port", str(port), "--ray-address", head["gcs"],
            *[arg for name in ACTORS for arg in ("--actor", name)], "--poll-interval", "0.5"]
-    proc = subprocess.Popen(cmd, env=_ray_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, env=_ray_env(head["token"]), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -127,15 +121,15 @@ def job(head: Any) -> Any:
              "--actor-name", ACTOR, "--engines", str(len(ACTORS)), "--node-resource", WORKER_RESOURCE,
              "--config", "configs/same-host.yaml", "--linger", "30"]
     address = head["dashboard"]
-    submit = _ray("job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
+    submit = _ray(head, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
                   "--no-wait", "--", *entry, timeout=300)
     assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout[-2000:]}\n{submit.stderr[-3000:]}"
-    dashboard, url = _start_dashboard(head["gcs"])
+    dashboard, url = _start_dashboard(head)
     views: list[dict[str, Any]] = []
     page, rendered_live = None, False
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
-        status = _job_status(address, submission_id)
+        status = _job_status(head, submission_id)
         while status not in TERMINAL and time.monotonic() < deadline:
             try:
                 views.append(_get_json(f"{url}/api/engines"))
@@ -144,15 +138,15 @@ def job(head: Any) -> Any:
             if page is None and views and _all_served(views[-1]):
                 page, rendered_live = _render_dashboard(url), True  # while the job lingers: engines still up
             time.sleep(1.0)
-            status = _job_status(address, submission_id)
+            status = _job_status(head, submission_id)
         if status not in TERMINAL:
-            _ray("job", "stop", "--address", address, submission_id)
+            _ray(head, "job", "stop", "--address", address, submission_id)
         if page is None:
             page = _render_dashboard(url)
     finally:
         dashboard.terminate()
         dashboard.wait(30)
-    logs = _ray("job", "logs", "--address", address, submission_id).stdout
+    logs = _ray(head, "job", "logs", "--address", address, submission_id).stdout
     lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
     return {"status": status, "logs": logs, "steps": [x for x in lines if "step" in x],
             "summary": next((x["summary"] for x in lines if "summary" in x), None), "views": views,
@@ -261,17 +255,17 @@ def lora_job(head: Any) -> Any:
     entry = ["python", "-m", "apps.ray_job", "--loop", "grpo", "--lora", str(LORA_RANK), "--steps", str(LORA_STEPS),
              "--actor-name", LORA_ACTOR]
     address = head["dashboard"]
-    submit = _ray("job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
+    submit = _ray(head, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
                   "--no-wait", "--", *entry, timeout=300)
     assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout[-2000:]}\n{submit.stderr[-3000:]}"
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    status = _job_status(address, submission_id)
+    status = _job_status(head, submission_id)
     while status not in TERMINAL and time.monotonic() < deadline:
         time.sleep(2.0)
-        status = _job_status(address, submission_id)
+        status = _job_status(head, submission_id)
     if status not in TERMINAL:
-        _ray("job", "stop", "--address", address, submission_id)
-    logs = _ray("job", "logs", "--address", address, submission_id).stdout
+        _ray(head, "job", "stop", "--address", address, submission_id)
+    logs = _ray(head, "job", "logs", "--address", address, submission_id).stdout
     lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
     return {"status": status, "logs": logs, "steps": [x for x in lines if "step" in x],
             "summary": next((x["summary"] for x in lines if "summary" in x), None)}

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import PROMPTS, assert_same_outputs, child_env
+from tests.helpers import PROMPTS, assert_same_outputs, child_env, lora_oracle
 from tests.test_lora import (
     MAX_RANK,
     NAME,
@@ -114,13 +114,10 @@ def served_adapters(server: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def served(server: Any) -> Any:
     """Two adapter versions sent over the bridge, the oracle's outputs for them and the base."""
-    from devtools.coldload import cold_lora_outputs
-
     spec = adapter_spec()
     v1, v2 = adapter_tensors(11), adapter_tensors(12)
     dirs = [peft_dir(server["dir"] / f"v{i}", t, spec) for i, t in ((1, v1), (2, v2))]
-    cold = cold_lora_outputs(str(server["ckpt"]), [str(d) for d in dirs], server["tp"], "bfloat16", PROMPTS,
-                             max_lora_rank=MAX_RANK, max_loras=2, env=child_env())
+    cold = lora_oracle(server["ckpt"], dirs, server["tp"], "bfloat16", max_lora_rank=MAX_RANK, max_loras=2)
     label = weight_info(server)
     base_before, _ = complete(server)
     got, answers = {}, {}
@@ -257,7 +254,6 @@ def test_base_update_keeps_the_adapter_version_on_the_new_base(server: Any, serv
     drops its loaded adapters after a weight update and reloads them from their directories)."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    from devtools.coldload import cold_lora_outputs
     from devtools.tiny_models import build_model, save_checkpoint
 
     _one_tp(server)
@@ -267,8 +263,7 @@ def test_base_update_keeps_the_adapter_version_on_the_new_base(server: Any, serv
     trainer.send_weights()
     assert weight_info(server) == str(trainer.version)
     ckpt = save_checkpoint(model, tmp_path / "base-v2")
-    cold = cold_lora_outputs(str(ckpt), [str(served["dirs"][1])], 1, "bfloat16", PROMPTS, max_lora_rank=MAX_RANK,
-                             max_loras=2, env=child_env())
+    cold = lora_oracle(ckpt, [served["dirs"][1]], 1, "bfloat16", max_lora_rank=MAX_RANK, max_loras=2)
     outputs, names = complete(server, NAME)
     assert names == {f"{NAME}@v2"} and served_adapters(server)[NAME]["version"] == 2
     assert_same_outputs(outputs, cold[str(served["dirs"][1])])
