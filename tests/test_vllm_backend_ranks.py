@@ -50,9 +50,11 @@ def run(tmp_path_factory: Any) -> dict[str, Any]:
     model = build_model("tiny", seed=1)
     ckpt = save_checkpoint(model, tmp_path_factory.mktemp("serve-tiny"))
     save_word_tokenizer(ckpt, model.config.vocab_size)
-    http, base_port, master = _free_ports(3)
+    http, base_port = _free_ports(2)
     out = tmp_path_factory.mktemp("ranks")
     with vllm_serve(ckpt, http, tmp_path_factory.mktemp("serve-log") / "server.log") as url:
+        # picked as late as possible: the range lies among the ephemeral ports, which any connection may take
+        master = next(p for p in _free_ports(3) if p not in (http, base_port))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(master), str(ROOT / "tests" / "vllm_ranks_worker.py"), url, str(base_port), str(out)]
         # its own session: torchrun and both ranks are killed together should it overrun
