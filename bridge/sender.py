@@ -311,6 +311,10 @@ class UpdateSender:
         for peer, offer in zip(self._peers, offers, strict=False):
             self._send(peer, offer)
         plane.connect()
+        # what the engines sent after an earlier send was abandoned (their late credits for a version that is
+        # now sent again) is read and forgotten here: a credit counted for this Begin would let a sharded update's
+        # ranks send before the engines know of it
+        self._pump(0)
         for peer in self._peers:
             peer.credit, peer.ack, peer.released = 0, None, set()
             self._send(peer, wire.Begin(manifest))

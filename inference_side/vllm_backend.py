@@ -334,9 +334,11 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         return self.status(), self.ledger.dicts(since)
 
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
-        """The receiver refused an update before the engine saw it: end the RPC waiting for it."""
+        """The receiver refused an update, timed it out, or the publisher abandoned it (``Abort``: a staged update
+        still arriving never reached the engine, e.g. a trainer rank failed mid-publish): end the RPC waiting for
+        it, rather than let it wait out ``update_info.timeout_s``."""
         self.ledger.event(event, data)
-        if event in ("refused", "timeout"):
+        if event in ("refused", "timeout", "aborted"):
             self._calls.put(_Call("refused", data.get("kind", ""), str(data.get("reason", "")), int(data.get("version", 0))))
 
     def _run(self, call: _Call, info: WeightBridgeUpdateInfo) -> tuple[FailureKind | None, str] | None:

@@ -42,8 +42,8 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 import msgpack
 
@@ -131,10 +131,12 @@ class RankedPublisher:
     """Publishes weight versions from every rank of a process group (default: the world) to one or more
     engines (on this host for ``shm``). Build it on every rank (a collective: the ranks learn where rank 0
     listens, the publisher's name and rank 0's endpoints) and call ``publish`` on every rank with the same
-    version."""
+    version. ``control_s``: seconds rank 0's own control calls around a publish (``publish``'s ``prepare`` and
+    ``settle``) may take, added to the other ranks' deadlines for rank 0's manifest and outcome (rank 0's death
+    is still found at once, by its pid)."""
 
     def __init__(self, endpoints: list[str] | str, config: BridgeConfig | str | None = None, name: str | None = None,
-                 group: Any = None, transport: str | None = None) -> None:
+                 group: Any = None, transport: str | None = None, control_s: float = 0.0) -> None:
         import torch.distributed as dist
 
         self.config = config if isinstance(config, BridgeConfig) else load_config(config)
@@ -143,6 +145,7 @@ class RankedPublisher:
             raise ConfigError(f"a multi-rank publish travels over {' or '.join(TRANSPORTS)}, not {self.transport}: "
                               f"set transport.kind to one of them")
         self.group = group
+        self.control_s = control_s
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._control: _ControlPeer | None = None
@@ -230,17 +233,39 @@ class RankedPublisher:
         self.close()
 
     # ---- publish ---------------------------------------------------------------------------------
-    def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int,
-                probe: wire.ProbeSpec | None = None) -> PublishReport:
+    def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int, probe: wire.ProbeSpec | None = None, *,
+                prepare: Callable[[], None] | None = None,
+                settle: Callable[[PublishReport | BaseException], PublishReport] | None = None) -> PublishReport:
         """Send this rank's share of ``version`` (its local shards of ``weights``: a state dict or named
         tensors, DTensors or plain ones); every rank of the group must call it with the same version.
         Returns the same ``PublishReport`` on every rank once every engine applied the version; raises the
         same error on every rank otherwise (``UpdateFailed``; ``ShardError`` when the ranks' shards do not
         make up the tensors exactly once; ``RankFailed`` when a rank failed before the engines were told).
-        ``probe`` is taken from rank 0."""
+        ``probe`` is taken from rank 0.
+
+        ``prepare`` and ``settle`` (rank 0's; the other ranks ignore them) wrap the publish in a control plane
+        of rank 0's own (the vLLM trainer engine: vLLM's update session): ``prepare()`` runs once the ranks
+        agreed the manifest, before any engine hears of the version (a raise fails the publish); ``settle(outcome)``
+        runs with the publish's outcome (its ``PublishReport``, or the exception) before the other ranks learn
+        it, and what it returns or raises is the outcome on every rank. Their time counts against
+        ``control_s``."""
         named = list(iter_named(weights))
         if self.rank == 0:
-            return self._publish_root(named, version, probe)
+            outcome: PublishReport | BaseException
+            try:
+                outcome = self._publish_root(named, version, probe, prepare)
+            except BaseException as exc:  # noqa: BLE001 - settled, told to every rank, raised below
+                outcome = exc
+            if settle is not None:
+                try:
+                    outcome = settle(outcome)
+                except BaseException as exc:  # noqa: BLE001 - the settled outcome
+                    outcome = exc
+            if isinstance(outcome, BaseException):
+                self._broadcast(_failure(version, outcome))
+                raise outcome
+            self._broadcast({"t": "done", "v": version, "ok": True, "report": _report_to_wire(outcome)})
+            return outcome
         return self._publish_rank(named, version)
 
     def _plan(self, named: list[tuple[str, Any]], dtype: str) -> tuple[RankPlan, dict[str, tuple[LocalShard, Any]]]:
@@ -299,21 +324,21 @@ class RankedPublisher:
         return sums
 
     # ---- rank 0 ----------------------------------------------------------------------------------
-    def _publish_root(self, named: list[tuple[str, Any]], version: int, probe: wire.ProbeSpec | None) -> PublishReport:
+    def _publish_root(self, named: list[tuple[str, Any]], version: int, probe: wire.ProbeSpec | None,
+                      prepare: Callable[[], None] | None) -> PublishReport:
+        """Rank 0's publish up to the engines' verdict (``publish`` tells the other ranks the outcome)."""
         control = self._control
         assert control is not None, "the publisher is closed"
         t_start = time.perf_counter()
         control._current = version
-        try:
-            dtype = control._agreed_dtype()
-            self._broadcast({"t": "start", "v": version, "dtype": dtype})
-            plan, held = self._plan(named, dtype)
-            others = self._collect("plan", version, None) if self.world > 1 else {}
-            plans = [plan, *(RankPlan.from_wire(msg["plan"]) for msg in others.values())]
-            shards = agree(plans, self.world)
-        except BaseException as exc:
-            self._broadcast(_failure(version, exc))
-            raise
+        dtype = control._agreed_dtype()
+        self._broadcast({"t": "start", "v": version, "dtype": dtype})
+        plan, held = self._plan(named, dtype)
+        others = self._collect("plan", version, None) if self.world > 1 else {}
+        plans = [plan, *(RankPlan.from_wire(msg["plan"]) for msg in others.values())]
+        shards = agree(plans, self.world)
+        if prepare is not None:
+            prepare()
         specs, sizes = layout(shards, self.config.transport.bucket_bytes)
         manifest = wire.Manifest(version=version, tensors=specs, bucket_sizes=sizes, publisher=control.name,
                                  transport=self.transport, probe=probe, checksum=control._checksum(), shards=shards)
@@ -348,13 +373,7 @@ class RankedPublisher:
                                  min(counts, default=0)) from exc
             return (sealed[index] if sealed else OutgoingBucket(index, None, ())), sums
 
-        try:
-            report = control._stream(manifest, plane, produce, t_start)
-        except BaseException as exc:
-            self._broadcast(_failure(version, exc))
-            raise
-        self._broadcast({"t": "done", "v": version, "ok": True, "report": _report_to_wire(report)})
-        return report
+        return control._stream(manifest, plane, produce, t_start)
 
     def _send_piece(self, version: int, index: int, plane: SendPlane, specs: dict[str, wire.TensorSpec],
                     mine: list[RangeSpec], held: dict[str, tuple[LocalShard, Any]], algorithm: str) -> list[int]:
@@ -438,6 +457,16 @@ class RankedPublisher:
             if time.monotonic() > end:
                 raise TransportError(f"rank {self.rank}: no word from rank 0 within {deadline_s}s while waiting for {what}")
 
+    def _verdict(self, version: int, own: BaseException) -> NoReturn:
+        """After this rank's own part failed (reported to rank 0): raise the outcome rank 0 tells every rank (the
+        update's error, naming this rank), or ``own`` if rank 0 reports success."""
+        d = self.config.deadlines
+        try:
+            self._await({"done"}, version, d.ack_s + d.bucket_s + self.control_s, f"the outcome of version {version}")
+        except BridgeError as told:
+            raise told from own
+        raise own
+
     def _publish_rank(self, named: list[tuple[str, Any]], version: int) -> PublishReport:
         from bridge.shm import Segment
 
@@ -445,12 +474,12 @@ class RankedPublisher:
         start = self._await({"start"}, version, d.connect_s + d.manifest_s, f"the start of version {version}")
         try:
             plan, held = self._plan(named, start["dtype"])
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - this rank's own part: reported, then rank 0's verdict
             self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
-            self._await({"done"}, version, d.manifest_s, f"the outcome of version {version}")
-            raise
+            self._verdict(version, exc)
         self._channel.send({"t": "plan", "v": version, "plan": plan.to_wire()})
-        go = self._await({"go"}, version, d.manifest_s + d.bucket_s, f"the agreed manifest of version {version}")
+        go = self._await({"go"}, version, d.manifest_s + d.bucket_s + self.control_s,
+                         f"the agreed manifest of version {version}")
         manifest = wire.Manifest.from_wire(go["manifest"])
         assert manifest.shards is not None
         per_bucket = bucket_ranges(manifest.shards, manifest.tensors, len(manifest.bucket_sizes))
@@ -458,6 +487,7 @@ class RankedPublisher:
         if self.transport == "zmq":
             return self._stream_rank(version, manifest, per_bucket, by_name, held)
         segments: list[Segment] = []
+        own: BaseException | None = None
         try:
             for index, (name, size) in enumerate(zip(go["segments"], manifest.bucket_sizes, strict=True)):
                 mine = [r for r in per_bucket[index] if r.rank == self.rank]
@@ -471,13 +501,15 @@ class RankedPublisher:
                     sums = self._write(index, buffer, by_name, mine, held, manifest.checksum)
                     del buffer
                 self._channel.send({"t": "bucket", "v": version, "b": index, "sums": sums})
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - this rank's own part: reported, then rank 0's verdict
+            own = exc
             self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
-            raise
         finally:
             for seg in segments:
                 seg.close()
-        done = self._await({"done"}, version, d.ack_s + d.bucket_s, f"the outcome of version {version}")
+        if own is not None:
+            self._verdict(version, own)
+        done = self._await({"done"}, version, d.ack_s + d.bucket_s + self.control_s, f"the outcome of version {version}")
         return _report_from_wire(done["report"])
 
     def _stream_rank(self, version: int, manifest: wire.Manifest, per_bucket: list[list[RangeSpec]],
@@ -490,23 +522,27 @@ class RankedPublisher:
         plane = self._pieces
         plane.configure(self.config.transport.depth)
         allowed = -1
-        failed = False
+        failed = True
+        own: BaseException | None = None
         try:
             for index in range(len(manifest.bucket_sizes)):
-                while allowed < index:
+                while allowed < index:  # rank 0's word (its failure raised as it reports it)
                     allow = self._await({"allow"}, version, d.bucket_s + d.manifest_s, f"leave to send bucket {index}")
                     allowed = max(allowed, int(allow["b"]))
                 mine = [r for r in per_bucket[index] if r.rank == self.rank]
-                sums = self._send_piece(version, index, plane, by_name, mine, held, manifest.checksum)
+                try:
+                    sums = self._send_piece(version, index, plane, by_name, mine, held, manifest.checksum)
+                except BaseException as exc:  # noqa: BLE001 - this rank's own part: reported, then rank 0's verdict
+                    own = exc
+                    self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
+                    break
                 self._channel.send({"t": "bucket", "v": version, "b": index, "sums": sums})
-        except BaseException as exc:
-            failed = True
-            if not isinstance(exc, UpdateFailed | ShardError | RankFailed):  # not rank 0's own verdict
-                self._channel.send({"t": "error", "v": version, "reason": describe(exc)})
-            raise
+            failed = own is not None
         finally:
             plane.release(failed)
-        done = self._await({"done"}, version, d.ack_s + d.bucket_s, f"the outcome of version {version}")
+        if own is not None:
+            self._verdict(version, own)
+        done = self._await({"done"}, version, d.ack_s + d.bucket_s + self.control_s, f"the outcome of version {version}")
         return _report_from_wire(done["report"])
 
 

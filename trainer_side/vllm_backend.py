@@ -7,6 +7,13 @@ this engine by the init info's ``backend``; it works with vLLM's clients (``HTTP
 engine's workers opened (inference_side/vllm_backend.py), while vLLM's ``update_weights`` call holds every
 worker in the update: start -> update_weights (on a helper thread) + publish -> finish(version).
 
+Many trainer ranks (``WeightBridgeInitInfo(rank=r, trainer_ranks=N)`` on every rank of a torchrun / FSDP2 trainer,
+``ShardSource(model)``): every rank calls ``send_weights()`` and sends its own shards with ``RankedPublisher``
+(trainer_side/multi_rank.py; no rank gathers a tensor), rank 0 alone drives vLLM's client (vLLM's trainer engines
+treat ranks so: rank 0 is the sender of the control calls) around the publish, and every rank returns or raises the
+same outcome. ``trainer_ranks=1`` (the default) keeps one sending rank: rank 0 publishes whole tensors, the others
+only iterate the source (joining its gathers).
+
 ``send_adapter(tensors, adapter)`` publishes a LoRA adapter version the same way (only the adapter's tensors,
 verified by every worker against the engine's LoRA configuration; the base weights and their version label do
 not move), then asks ``vllm serve``'s adapter route (``bridge.vllm_plugin.ADAPTER_ROUTE``) to serve it under the
@@ -20,17 +27,24 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+)
 
 from bridge import wire
 from bridge.config import config_from_dict
-from bridge.errors import BridgeError, UpdateFailed
+from bridge.errors import BridgeError, ConfigError, UpdateFailed
 from bridge.report import FailureKind
 from bridge.sender import PublishReport
 from bridge.vllm_plugin import ADAPTER_ROUTE, BACKEND, register
+from trainer_side.multi_rank import RankedPublisher
 from trainer_side.publisher import WeightPublisher
 
 register()
@@ -43,7 +57,12 @@ class WeightBridgeInitInfo(TrainerInitInfo):
     engine. The workers listen on ``host``: ``base_port`` + TP rank (``tp_size`` of them); ``config`` is a
     ``BridgeConfig`` as a dict (transport kind, sync mode, deadlines ...), sent to the workers too; ``lora_dir``:
     where TP rank 0 writes the LoRA adapter versions it verified, on the server's host ("": a temporary directory,
-    removed when the worker exits normally)."""
+    removed when the worker exits normally).
+
+    ``trainer_ranks``: how many trainer ranks send. 1 (default): rank 0 sends every tensor whole, the other ranks
+    only iterate the source. N > 1: every rank of ``group`` (a torch.distributed process group of N ranks, default
+    the world, made by the caller) builds the engine with its own ``rank`` (its rank in ``group``) and sends its own
+    shards (``transport.kind`` zmq or shm; the ranks share one host)."""
 
     backend: ClassVar[str] = BACKEND
     host: str = "127.0.0.1"
@@ -57,9 +76,45 @@ class WeightBridgeInitInfo(TrainerInitInfo):
     # freeze and continue afterwards; "wait": they finish on the old weights first; "abort": they end; None:
     # no pause). Afterwards the prefix cache is reset, running requests recomputed on the new weights.
     pause: str | None = "keep"
+    trainer_ranks: int = 1
+    group: Any = field(default=None, repr=False, compare=False)
 
     def endpoints(self) -> list[str]:
         return [f"tcp://{self.host}:{self.base_port + rank}" for rank in range(self.tp_size)]
+
+
+class ShardSource(WeightSource):
+    """A ``WeightSource`` over ``module.named_parameters()`` that yields each parameter as this rank holds it: a
+    DTensor (FSDP2 ``fully_shard``, tensor parallel) as the DTensor itself, never gathered (the trainer engine sends
+    its local shard), a plain tensor as it is. For ``WeightBridgeInitInfo(trainer_ranks=N)``; ``metadata()`` gives
+    the full shapes, as ``ModuleSource``'s does. (vLLM's ``ModuleSource`` gathers every DTensor with
+    ``full_tensor()`` as it iterates: with many sending ranks rank 0 would then send every tensor whole.)"""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self._module.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        yield from self._module.named_parameters()
+
+
+def _check_ranks(info: WeightBridgeInitInfo) -> None:
+    """ConfigError unless ``info``'s rank and ``trainer_ranks`` are this process's rank and size of its group."""
+    if info.trainer_ranks < 1:
+        raise ConfigError(f"weight_bridge: trainer_ranks must be 1 or more, not {info.trainer_ranks}")
+    if info.trainer_ranks == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"weight_bridge: trainer_ranks={info.trainer_ranks} needs torch.distributed's process group "
+                          f"(torchrun, then dist.init_process_group) on every trainer rank before trainer_init")
+    world, rank = dist.get_world_size(info.group), dist.get_rank(info.group)
+    if (world, rank) != (info.trainer_ranks, info.rank):
+        raise ConfigError(f"weight_bridge: the init info says rank {info.rank} of trainer_ranks={info.trainer_ranks}, "
+                          f"but this process is rank {rank} of {world} in its process group")
 
 
 class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo]):
@@ -73,30 +128,105 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         self.last_report: PublishReport | None = None
         self.adapter_versions: dict[str, int] = {}  # adapter name -> the last version sent and served
         self._publisher: WeightPublisher | None = None
+        self._ranked: RankedPublisher | None = None  # trainer_ranks > 1: this rank's share of every publish
 
     @classmethod
     def trainer_init(cls, init_info: WeightBridgeInitInfo, *, client: Any, source: Any = None) -> WeightBridgeTrainerEngine:
+        """Called on every trainer rank. Rank 0 starts the workers' receivers (``init_weight_transfer_engine``).
+        With ``trainer_ranks`` > 1 this is a collective over the ranks' group: every rank learns rank 0's answer
+        (an error there is raised on every rank) and builds its ``RankedPublisher``."""
+        _check_ranks(init_info)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
+        worker_info = {"base_port": init_info.base_port, "bind_host": init_info.host, "config": dict(init_info.config),
+                       **({"lora_dir": init_info.lora_dir} if init_info.lora_dir else {})}
+        config = config_from_dict(init_info.config)
+        if init_info.trainer_ranks == 1:
+            if engine.is_sender:
+                client.init_weight_transfer_engine(worker_info)
+                engine._publisher = WeightPublisher(init_info.endpoints(), config=config)
+            return engine
+        import torch.distributed as dist
+        from vllm.distributed.weight_transfer.base import ModuleSource
+
+        if isinstance(source, ModuleSource):
+            logger.warning("weight_bridge: vLLM's ModuleSource gathers every DTensor (full_tensor) as it iterates; "
+                           "with trainer_ranks=%d use trainer_side.vllm_backend.ShardSource(model) to send only each "
+                           "rank's own shards", init_info.trainer_ranks)
+        failed: BaseException | None = None
         if engine.is_sender:
-            client.init_weight_transfer_engine({"base_port": init_info.base_port, "bind_host": init_info.host,
-                                                "config": dict(init_info.config),
-                                                **({"lora_dir": init_info.lora_dir} if init_info.lora_dir else {})})
-            engine._publisher = WeightPublisher(init_info.endpoints(), config=config_from_dict(init_info.config))
+            try:
+                client.init_weight_transfer_engine(worker_info)
+            except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
+                failed = exc
+        answer: list[Any] = [None if failed is None else _answer(failed)]
+        group = init_info.group
+        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if answer[0] is not None:
+            raise BridgeError(f"weight_bridge: trainer rank 0's init_weight_transfer_engine failed: {answer[0]}") from failed
+        timeout_s = float(getattr(client, "timeout", 300.0))
+        # rank 0's own calls around a publish: pause, start, the update_weights call it waits for, finish, resume
+        control_s = init_info.update_timeout_s + 30 + 4 * timeout_s
+        engine._ranked = RankedPublisher(init_info.endpoints(), config=config, group=group, control_s=control_s)
         return engine
 
-    def send_weights(self, version: int | None = None) -> None:
-        """Publish ``source`` as ``version`` (default: the next one), then ``finish_weight_update(version)``.
-        Raises ``UpdateFailed`` (each worker's reason and ``FailureKind``) when the engine refused it: vLLM's
-        session is closed without a version and the engine keeps serving its own."""
-        if self.source is None:
-            raise BridgeError("weight_bridge: trainer_init was given no source")
+    def send_weights(self, version: int | None = None, weights: Any = None) -> None:
+        """Publish ``source`` (or ``weights``: a state dict or (name, tensor) pairs, for this call) as ``version``
+        (default: the next one), then ``finish_weight_update(version)``. Raises ``UpdateFailed`` (each worker's
+        reason and ``FailureKind``) when the engine refused it: vLLM's session is closed without a version and the
+        engine keeps serving its own.
+
+        With ``trainer_ranks`` > 1, called on every rank with the same version, each with its own view (DTensors:
+        their local shards are sent; plain tensors: rank 0 sends them). Rank 0 pauses generation, opens vLLM's
+        session and calls ``update_weights`` once the ranks agreed the manifest, and finishes or closes the session
+        before the ranks learn the outcome: every rank returns, or raises the same error (``RankFailed`` /
+        ``UpdateFailed`` naming a rank that died, went silent or failed its part; ``ShardError``)."""
+        weights = self.source if weights is None else weights
+        if weights is None:
+            raise BridgeError("weight_bridge: trainer_init was given no source and send_weights no weights")
+        if self._ranked is not None:
+            self._send_ranked(self.version + 1 if version is None else version, weights)
+            return
         if not self.is_sender or self._publisher is None:
-            for _ in self.source:  # every rank iterates: materializing sharded tensors is a collective
+            for _ in weights:  # every rank iterates: materializing sharded tensors is a collective
                 pass
             return
         version = self.version + 1 if version is None else version
         with _Paused(self.client, self.init_info.pause):
-            self._send(version, self.source)
+            self._send(version, weights)
+
+    def _send_ranked(self, version: int, weights: Any) -> None:
+        """Every rank: its share of ``version``; rank 0 drives vLLM's session around the publish (``prepare``: pause,
+        start, update_weights; ``settle``: finish or close, resume) and the ranks learn the settled outcome."""
+        ranked = self._ranked
+        assert ranked is not None
+        if not self.is_sender:
+            self.last_report = ranked.publish(weights, version)
+            self.version = version
+            return
+        paused = _Paused(self.client, self.init_info.pause)
+        session = _Session(self, version)
+        entered = False
+
+        def prepare() -> None:
+            nonlocal entered
+            paused.pause()
+            entered = True
+            session.open()
+
+        def settle(outcome: PublishReport | BaseException) -> PublishReport:
+            try:
+                if session.opened:
+                    session.close(outcome if isinstance(outcome, BaseException) else None)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                assert isinstance(outcome, PublishReport)
+                return outcome
+            finally:
+                if entered:
+                    paused.resume()
+
+        self.last_report = ranked.publish(weights, version, prepare=prepare, settle=settle)
+        self.version = version
 
     def send_adapter(self, weights: Any, adapter: wire.AdapterSpec, version: int | None = None) -> dict[str, Any]:
         """Publish LoRA adapter ``adapter``: ``weights`` are its tensors alone, named as PEFT saves them
@@ -109,7 +239,11 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         ``LoRARequest``. Raises ``UpdateFailed`` naming the problem (a refused update: each worker's reason and
         ``update_weights``' answer; a refused route: ``reasons["adapter_route"]``, the HTTP status and reason); the
         previous adapter version serves on (after a refused route the workers hold the version: the next one
-        follows it). No pause: requests in flight keep the adapter version they began with."""
+        follows it). No pause: requests in flight keep the adapter version they began with. One sending rank only
+        (``trainer_ranks`` 1)."""
+        if self._ranked is not None:
+            raise ConfigError("weight_bridge: send_adapter sends from one rank; build this engine with trainer_ranks=1 "
+                              "on the rank that holds the adapter's tensors")
         if not self.is_sender or self._publisher is None:
             return {}
         version = self.adapter_versions.get(adapter.name, 0) + 1 if version is None else version
@@ -146,44 +280,17 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
     def _send(self, version: int, weights: Any, adapter: wire.AdapterSpec | None = None) -> None:
         assert self._publisher is not None and weights is not None
         publisher = self._publisher
-        self.client.start_weight_update()
-        failure: list[BaseException] = []
-        info: dict[str, Any] = {"version": version, "timeout_s": self.init_info.update_timeout_s}
-        if adapter is not None:
-            info["adapter"] = adapter.name
-
-        def hold() -> None:
-            try:
-                self.client.update_weights(info)
-            except BaseException as exc:  # noqa: BLE001 - reported after the publish
-                failure.append(exc)
-
-        holder = threading.Thread(target=hold, name="wb-update-weights", daemon=True)
-        holder.start()
+        session = _Session(self, version, adapter)
+        session.open()
         error: BaseException | None = None
         try:
             named = weights.items() if isinstance(weights, dict) else weights
             self.last_report = publisher.publish(iter(named), version, adapter=adapter)
         except BaseException as exc:  # noqa: BLE001 - raised below, once vLLM's session is closed
             error = exc
-        holder.join(self.init_info.update_timeout_s + 30)
-        if error is None and not failure and not holder.is_alive():
-            if adapter is not None:  # the base's label (/weight_info) stays
-                self.client.finish_weight_update()
-            else:
-                self.client.finish_weight_update(str(version))
-                self.version = version
-            return
-        self._close_session()
-        if isinstance(error, UpdateFailed) and failure:  # the engine's own answer to update_weights, beside the acks'
-            answered = _answer(failure[0])
-            raise UpdateFailed(f"{error}; vLLM's update_weights answered: {answered}",
-                               {**error.reasons, "update_weights": answered}, error.kinds) from error
-        if error is not None:
-            raise error
-        why = _answer(failure[0]) if failure else "update_weights did not return"
-        raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",
-                           {"update_weights": why})
+        session.close(error)
+        if adapter is None:
+            self.version = version
 
     def _close_session(self) -> None:
         """End vLLM's update session without a version after a failed update. The worker that raised in
@@ -197,6 +304,64 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        if self._ranked is not None:
+            self._ranked.close()
+            self._ranked = None
+
+
+class _Session:
+    """vLLM's update session around one publish, on the rank that drives the client: ``open`` calls
+    ``start_weight_update``, then ``update_weights`` on a helper thread (every worker serves the update inside that
+    call while the publish runs); ``close(error)`` waits for it, then finishes the session with the version (an
+    adapter: without one, the base's label stays) or, after a failure, closes it without a version and raises the
+    update's error (with vLLM's own answer to ``update_weights`` beside the acks')."""
+
+    def __init__(self, engine: WeightBridgeTrainerEngine, version: int, adapter: wire.AdapterSpec | None = None) -> None:
+        self.engine, self.version, self.adapter = engine, version, adapter
+        self.failure: list[BaseException] = []
+        self.holder: threading.Thread | None = None
+
+    @property
+    def opened(self) -> bool:
+        return self.holder is not None
+
+    def open(self) -> None:
+        client = self.engine.client
+        client.start_weight_update()
+        info: dict[str, Any] = {"version": self.version, "timeout_s": self.engine.init_info.update_timeout_s}
+        if self.adapter is not None:
+            info["adapter"] = self.adapter.name
+
+        def hold() -> None:
+            try:
+                client.update_weights(info)
+            except BaseException as exc:  # noqa: BLE001 - reported after the publish
+                self.failure.append(exc)
+
+        self.holder = threading.Thread(target=hold, name="wb-update-weights", daemon=True)
+        self.holder.start()
+
+    def close(self, error: BaseException | None) -> None:
+        """After the publish (``error``: how it failed, None: every engine applied it)."""
+        engine, version, failure, holder = self.engine, self.version, self.failure, self.holder
+        assert holder is not None, "the session was not opened"
+        holder.join(engine.init_info.update_timeout_s + 30)
+        if error is None and not failure and not holder.is_alive():
+            if self.adapter is not None:  # the base's label (/weight_info) stays
+                engine.client.finish_weight_update()
+            else:
+                engine.client.finish_weight_update(str(version))
+            return
+        engine._close_session()
+        if isinstance(error, UpdateFailed) and failure:  # the engine's own answer to update_weights, beside the acks'
+            answered = _answer(failure[0])
+            raise UpdateFailed(f"{error}; vLLM's update_weights answered: {answered}",
+                               {**error.reasons, "update_weights": answered}, error.kinds) from error
+        if error is not None:
+            raise error
+        why = _answer(failure[0]) if failure else "update_weights did not return"
+        raise UpdateFailed(f"version {version}: the engine's update_weights failed after the publish: {why}",
+                           {"update_weights": why})
 
 
 def _answer(exc: BaseException) -> str:
@@ -228,10 +393,16 @@ class _Paused:
         return r.json() if r.content else {}
 
     def __enter__(self) -> None:
+        self.pause()
+
+    def __exit__(self, *exc: object) -> None:
+        self.resume()
+
+    def pause(self) -> None:
         if self.http is not None and self.mode:
             self._post("pause", mode=self.mode)
 
-    def __exit__(self, *exc: object) -> None:
+    def resume(self) -> None:
         if self.http is not None:
             try:
                 self._post("reset_prefix_cache", reset_running_requests="true")
@@ -244,4 +415,4 @@ class _Paused:
             ray.get([h.reset_prefix_cache.remote() for h in self.ray.handles])
 
 
-__all__ = ["WeightBridgeInitInfo", "WeightBridgeTrainerEngine"]
+__all__ = ["ShardSource", "WeightBridgeInitInfo", "WeightBridgeTrainerEngine"]
