@@ -120,7 +120,7 @@ def test_four_fsdp2_ranks_row_and_column_shards_publish_two_versions_equal_cold_
     full = full_weights(7, 0.5)
     assert assert_fsdp2_split(shard_geometry(tmp_path, 4), full) == {"Shard(0)", "Shard(1)"}
     for rank, res in enumerate(results):
-        assert [(r["version"], r["ok"], r["verified"]) for r in res] == [(7, True, [True]), (8, True, [True])], (rank, res, logs)
+        assert [(r["version"], r["ok"], r.get("verified")) for r in res] == [(7, True, [True]), (8, True, [True])], (rank, res, logs)
     assert ray.get(engine.version.remote()) == 8
     after = generate(engine)
     (cold,) = oracle([save_checkpoint(full, tmp_path / "v8")], 1, "bfloat16")

@@ -44,7 +44,7 @@ def test_fsdp2_ranks_publish_gpt_oss_equal_cold_load(engine: Any, tmp_path: Path
     placements = assert_fsdp2_split(shard_geometry(tmp_path, world), full)
     assert placements == ({"Shard(0)"} if shard == "rows" else {"Shard(0)", "Shard(1)"}), placements
     for rank, res in enumerate(results):
-        assert [(r["version"], r["ok"], r["verified"]) for r in res] == [(first, True, [True]), (first + 1, True, [True])], (rank, res, logs)
+        assert [(r["version"], r["ok"], r.get("verified")) for r in res] == [(first, True, [True]), (first + 1, True, [True])], (rank, res, logs)
     assert ray.get(engine.version.remote()) == first + 1
     after = generate(engine)
     (cold,) = oracle([save_checkpoint(full, tmp_path / f"v{first + 1}")], 1, "bfloat16")
