@@ -26,12 +26,13 @@ def master_port() -> int:
 
 
 def run_ranks(endpoint: str, scenario: str, world: int, out: Path, first: int = 2, kind: str = "tiny",
-              timeout: float = 600, transport: str = "shm") -> tuple[list[int], list[list[dict[str, Any]]], str]:
-    """Start ``world`` ranks of ``scenario`` publishing to ``endpoint`` over ``transport``; their exit codes,
-    each rank's results (empty for a rank that wrote none) and their logs."""
+              timeout: float = 600, transport: str = "shm", shard: str = "rows") -> tuple[list[int], list[list[dict[str, Any]]], str]:
+    """Start ``world`` ranks of ``scenario`` publishing to ``endpoint`` over ``transport`` (``shard``: how
+    FSDP2 shards the model, tests/ranks_worker.py ``sharded_model``); their exit codes, each rank's results
+    (empty for a rank that wrote none) and their logs."""
     port = master_port()
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "ranks_worker.py"), str(r), str(world), str(port),
-                               str(out), endpoint, scenario, str(first), kind, transport],
+                               str(out), endpoint, scenario, str(first), kind, transport, shard],
                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
              for r in range(world)]
     try:
@@ -60,3 +61,29 @@ def full_weights(seed: int, scale: float = 1.0, kind: str = "tiny") -> Any:
             for p in model.parameters():
                 p.mul_(scale)
     return model
+
+
+def shard_geometry(out: Path, world: int) -> list[dict[str, list[Any]]]:
+    """Each rank's ``{parameter: [placement, local shape]}`` as FSDP2 gave them (the ``versions`` scenario)."""
+    return [json.loads((out / f"rank{r}-shards.json").read_text()) for r in range(world)]
+
+
+def assert_fsdp2_split(geometry: list[dict[str, list[Any]]], full: Any) -> set[str]:
+    """Every rank holds every parameter, sharded on one dim (``Shard(d)``) with torch's chunk sizes (``ceil(size / world)``
+    per rank, the last ones fewer or none), the other dims whole; the placements seen."""
+    import math
+
+    world = len(geometry)
+    seen = set()
+    for name, tensor in full.state_dict().items():
+        placements = {g[name][0] for g in geometry}
+        assert len(placements) == 1, (name, placements)
+        (placement,) = placements
+        seen.add(placement)
+        dim = int(placement.removeprefix("Shard(").removesuffix(")"))
+        size, chunk = tensor.shape[dim], math.ceil(tensor.shape[dim] / world)
+        for r, g in enumerate(geometry):
+            expected = list(tensor.shape)
+            expected[dim] = max(min(chunk, size - r * chunk), 0)
+            assert g[name][1] == expected, (name, r, g[name], expected)
+    return seen

@@ -3,8 +3,8 @@ publishing with ``RankedPublisher`` (every rank its own shards; ``DTensor.full_t
 made to raise in this process). Writes what each publish returned to ``OUT/rank{R}.json``.
 
 Scenarios (the same on every rank unless said):
-* ``versions``: versions 2 (``build_model("tiny", 2)``) and 3 (version 2's weights times 0.5, computed on
-  the local shards);
+* ``versions``: versions FIRST (``build_model(KIND, FIRST)``, default 2) and FIRST + 1 (version FIRST's
+  weights times 0.5, computed on the local shards);
 * ``kill``: version 4 (``build_model("tiny", 4)``); rank 1 SIGKILLs itself (a test-side patch of the
   publisher's write) when it reaches bucket 1, a second after reporting bucket 0;
 * ``corrupt``: version 6; rank 1 flips one bit of the first range it writes after summing it (a test-side
@@ -12,9 +12,11 @@ Scenarios (the same on every rank unless said):
 * ``steal``: version 5; rank 1 claims rank 0's rows of ``model.norm.weight`` (a test-side patch of its
   block) instead of its own.
 
-Run: python tests/ranks_worker.py RANK WORLD PORT OUT ENDPOINT SCENARIO [FIRST_VERSION [KIND [TRANSPORT]]]
-(``versions`` publishes FIRST_VERSION and FIRST_VERSION + 1, default 2 and 3, with the same weights; KIND is a
-devtools.tiny_models kind, ``tiny`` (Qwen2) unless given; TRANSPORT ``shm`` unless given, or ``zmq``.)
+Run: python tests/ranks_worker.py RANK WORLD PORT OUT ENDPOINT SCENARIO [FIRST_VERSION [KIND [TRANSPORT [SHARD]]]]
+(``versions`` publishes FIRST_VERSION and FIRST_VERSION + 1, default 2 and 3, and writes
+each parameter's placement and local shape to ``OUT/rank{R}-shards.json``; KIND is a devtools.tiny_models
+kind, ``tiny`` (Qwen2) unless given; TRANSPORT ``shm`` unless given, or ``zmq``; SHARD ``rows`` (every
+parameter ``Shard(0)``) unless given, or ``mixed`` (square 2-D weights ``Shard(1)``: see ``sharded_model``).)
 """
 
 from __future__ import annotations
@@ -30,20 +32,32 @@ from typing import Any
 CONFIG = {"transport": {"kind": "shm", "bucket_mb": 0.25}, "deadlines": {"bucket_s": 300, "manifest_s": 120}}
 
 
-def sharded_model(seed: int, mesh: Any, kind: str = "tiny") -> Any:
+def sharded_model(seed: int, mesh: Any, kind: str = "tiny", shard: str = "rows") -> Any:
+    """``build_model(kind, seed)`` under FSDP2 ``fully_shard`` (each layer, then the model): every parameter
+    ``Shard(0)`` (``shard="rows"``, FSDP2's default), or with ``shard="mixed"`` the square 2-D weights
+    ``Shard(1)`` (FSDP2's ``shard_placement_fn``; their ranges travel strided) and the rest ``Shard(0)``."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     from devtools.tiny_models import build_model
 
+    def placement(param: Any) -> Any:
+        return Shard(1) if shard == "mixed" and param.ndim == 2 and param.shape[0] == param.shape[1] else None
+
     model = build_model(kind, seed)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh)
     return model
 
 
+def geometry(model: Any) -> dict[str, list[Any]]:
+    """Each parameter's placement and this rank's local shape, as FSDP2 gave them."""
+    return {n: [f"Shard({t.placements[0].dim})", list(t.to_local().shape)] for n, t in model.state_dict().items()}
+
+
 def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: str, first: int = 2,
-         kind: str = "tiny", transport: str = "shm") -> None:
+         kind: str = "tiny", transport: str = "shm", shard: str = "rows") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,7 +95,9 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
 
     try:
         if scenario == "versions":
-            model = sharded_model(2, mesh, kind)
+            model = sharded_model(first, mesh, kind, shard)
+            with open(os.path.join(out, f"rank{rank}-shards.json"), "w") as f:
+                json.dump(geometry(model), f)
             publish(model, first)
             with torch.no_grad():
                 for p in model.parameters():
@@ -138,4 +154,4 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6],
          int(sys.argv[7]) if len(sys.argv) > 7 else 2, sys.argv[8] if len(sys.argv) > 8 else "tiny",
-         sys.argv[9] if len(sys.argv) > 9 else "shm")
+         sys.argv[9] if len(sys.argv) > 9 else "shm", sys.argv[10] if len(sys.argv) > 10 else "rows")

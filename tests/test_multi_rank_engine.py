@@ -3,7 +3,8 @@
 a real engine (``InferenceActor``) over shared memory, each rank writing only its own shards. The engine
 then equals an engine cold-loaded from the full weights (the oracle, built unsharded here); a rank killed
 mid-publish, one claiming another rank's bytes, or one whose bytes changed after it summed them leaves it on its
-version, the error naming the rank."""
+version, the error naming the rank. Last, four ranks with row and column shards publish two more versions into
+the same engine, again equal to a cold load."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import assert_same_outputs, generate, oracle
-from tests.ranks import full_weights, run_ranks
+from tests.ranks import assert_fsdp2_split, full_weights, run_ranks, shard_geometry
 
 pytestmark = pytest.mark.engine
 
@@ -47,7 +48,9 @@ def test_fsdp2_ranks_publish_two_versions_equal_cold_load(engine: Any, tmp_path:
         assert [(r["version"], r["ok"], r["verified"]) for r in res] == [(2, True, [True]), (3, True, [True])], (rank, res, logs)
     assert ray.get(engine.version.remote()) == 3
     after = generate(engine)
-    (cold,) = oracle([save_checkpoint(full_weights(2, 0.5), tmp_path / "v3")], 1, "bfloat16")
+    full = full_weights(2, 0.5)
+    assert assert_fsdp2_split(shard_geometry(tmp_path, 2), full) == {"Shard(0)"}
+    (cold,) = oracle([save_checkpoint(full, tmp_path / "v3")], 1, "bfloat16")
     assert_same_outputs(after, cold)
     assert [o["token_ids"] for o in after] != [o["token_ids"] for o in before], "the update did not change the outputs"
 
@@ -100,3 +103,26 @@ def test_a_range_whose_bytes_changed_is_refused_naming_its_rank(engine: Any, tmp
         (reason,) = r["reasons"].values()
         assert "ChecksumError" in reason and "from rank 1: checksum mismatch" in reason, reason
     assert ray.get(engine.version.remote()) == served
+
+
+def test_four_fsdp2_ranks_row_and_column_shards_publish_two_versions_equal_cold_load(engine: Any, tmp_path: Path) -> None:
+    """Four ranks, the square weights (attention projections) ``Shard(1)`` through FSDP2's
+    ``shard_placement_fn`` (strided ranges, re-laid by each rank's write into the segments) and the rest
+    ``Shard(0)``, publish versions 7 (``build_model("tiny", 7)``) and 8 (times 0.5) after the failures above;
+    the engine equals a cold load of version 8's full weights."""
+    import ray
+
+    from devtools.tiny_models import save_checkpoint
+
+    before = generate(engine)
+    codes, results, logs = run_ranks(_endpoint(engine), "versions", 4, tmp_path, first=7, shard="mixed")
+    assert codes == [0, 0, 0, 0], logs
+    full = full_weights(7, 0.5)
+    assert assert_fsdp2_split(shard_geometry(tmp_path, 4), full) == {"Shard(0)", "Shard(1)"}
+    for rank, res in enumerate(results):
+        assert [(r["version"], r["ok"], r.get("verified")) for r in res] == [(7, True, [True]), (8, True, [True])], (rank, res, logs)
+    assert ray.get(engine.version.remote()) == 8
+    after = generate(engine)
+    (cold,) = oracle([save_checkpoint(full, tmp_path / "v8")], 1, "bfloat16")
+    assert_same_outputs(after, cold)
+    assert [o["token_ids"] for o in after] != [o["token_ids"] for o in before], "the update did not change the outputs"

@@ -1,7 +1,8 @@
 """Trainers that span many processes on tiny GPT-OSS (sinks, fused experts, router biases): two real ranks
-under FSDP2 over gloo publish two versions into a real engine, each rank writing only its own shards, and
-the engine equals an engine cold-loaded from the full weights (tests/test_multi_rank_engine.py has the
-failures, on tiny Qwen2)."""
+under FSDP2 over gloo (every parameter ``Shard(0)``), then four (square weights ``Shard(1)`` through FSDP2's
+``shard_placement_fn``, the rest ``Shard(0)``), each publish two versions into one real engine, each rank
+writing only its own shards, and the engine equals an engine cold-loaded from the full weights
+(tests/test_multi_rank_engine.py has the failures, on tiny Qwen2)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import assert_same_outputs, generate, oracle
-from tests.ranks import full_weights, run_ranks
+from tests.ranks import assert_fsdp2_split, full_weights, run_ranks, shard_geometry
 
 pytestmark = pytest.mark.engine
 
@@ -27,18 +28,25 @@ def engine(ray_session: Any, checkpoints: Any) -> Any:
     ray_session.kill(actor)
 
 
-def test_fsdp2_ranks_publish_gpt_oss_equal_cold_load(engine: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("world", "first", "shard"), [(2, 2, "rows"), (4, 4, "mixed")])
+def test_fsdp2_ranks_publish_gpt_oss_equal_cold_load(engine: Any, tmp_path: Path, world: int, first: int, shard: str) -> None:
+    """Versions ``first`` (``build_model("gpt_oss", first)``) and ``first + 1`` (its weights times 0.5,
+    scaled on the ranks' local shards); the 4-rank case starts from the 2-rank case's version 3."""
     import ray
 
     from devtools.tiny_models import save_checkpoint
 
     before = generate(engine)
-    codes, results, logs = run_ranks(str(ray.get(engine.endpoint.remote("ipc"))), "versions", 2, tmp_path, kind="gpt_oss")
-    assert codes == [0, 0], logs
+    codes, results, logs = run_ranks(str(ray.get(engine.endpoint.remote("ipc"))), "versions", world, tmp_path,
+                                     first=first, kind="gpt_oss", shard=shard)
+    assert codes == [0] * world, logs
+    full = full_weights(first, 0.5, "gpt_oss")
+    placements = assert_fsdp2_split(shard_geometry(tmp_path, world), full)
+    assert placements == ({"Shard(0)"} if shard == "rows" else {"Shard(0)", "Shard(1)"}), placements
     for rank, res in enumerate(results):
-        assert [(r["version"], r["ok"], r["verified"]) for r in res] == [(2, True, [True]), (3, True, [True])], (rank, res, logs)
-    assert ray.get(engine.version.remote()) == 3
+        assert [(r["version"], r["ok"], r.get("verified")) for r in res] == [(first, True, [True]), (first + 1, True, [True])], (rank, res, logs)
+    assert ray.get(engine.version.remote()) == first + 1
     after = generate(engine)
-    (cold,) = oracle([save_checkpoint(full_weights(2, 0.5, "gpt_oss"), tmp_path / "v3")], 1, "bfloat16")
+    (cold,) = oracle([save_checkpoint(full, tmp_path / f"v{first + 1}")], 1, "bfloat16")
     assert_same_outputs(after, cold)
     assert [o["token_ids"] for o in after] != [o["token_ids"] for o in before], "the update did not change the outputs"

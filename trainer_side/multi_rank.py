@@ -65,7 +65,7 @@ from bridge.shards import (
 )
 from bridge.transports import send_plane
 from bridge.transports.base import OutgoingBucket, SendPlane
-from trainer_side.packing import iter_named
+from trainer_side.packing import _copy_and_sum, iter_named
 from trainer_side.shard_view import is_dtensor, local_shard, range_views
 
 __all__ = ["RankedPublisher"]
@@ -155,6 +155,7 @@ class RankedPublisher:
         deadlines = self.config.deadlines
         self._data: list[Any] = []  # zmq: this rank's socket to each engine
         self._pieces: SendPlane | None = None  # zmq, ranks other than 0: this rank's packing ring
+        self._mapped: Any = None  # shm, ranks other than 0: rank 0's segments, mapped once (bridge.shm.AttachCache)
         if self.rank == 0:
             self._control = _ControlPeer(endpoints, self.config, name=name, transport=self.transport)
             self._channel = _Channel(None, 0)
@@ -223,6 +224,9 @@ class RankedPublisher:
         if self._pieces is not None:
             self._pieces.close()
             self._pieces = None
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
         if not self._channel.sock.closed:
             self._channel.close()
 
@@ -288,7 +292,9 @@ class RankedPublisher:
         the other as they travel (zmq)."""
         import torch
 
-        fn = None if algorithm == "none" else checksums.function(algorithm)
+        # the single-process publisher's packing (trainer_side/packing.py): each 1 MiB chunk summed right after
+        # it is copied, one pass over memory, and no torch intra-op threads spinning beside the receivers
+        fresh = None if algorithm == "none" else checksums.running(algorithm)
         sums: list[int] = []
         names = list(dict.fromkeys(r.name for r in mine))
         packed_at: dict[tuple[str, int], int] = {}
@@ -311,15 +317,18 @@ class RankedPublisher:
                 view = views.get((r.offset, r.nbytes))
                 if view is None:
                     raise ShardError(f"tensor {name}: rank {self.rank} holds no {r.describe()}", name, (self.rank,))
-                if packed:
-                    at = packed_at[(r.name, r.offset)]
-                    buffer[at : at + r.nbytes].copy_(view)
-                elif r.run:
-                    dst = torch.as_strided(buffer, (r.count, r.run), (r.stride, 1), base + r.offset)
-                    dst.copy_(view.view(r.count, r.run))
-                else:
-                    buffer[base + r.offset : base + r.offset + r.nbytes].copy_(view)
-                sums.append(0 if fn is None else int(fn(memoryview(view.numpy()))))
+                if packed or not r.run:  # the range lands contiguous: copied and summed chunk by chunk, in cache
+                    at = packed_at[(r.name, r.offset)] if packed else base + r.offset
+                    dst = buffer[at : at + r.nbytes]
+                    if fresh is None:
+                        dst.copy_(view)
+                        sums.append(0)
+                    else:
+                        sums.append(_copy_and_sum(dst, torch.uint8, view, fresh()))
+                    continue
+                dst = torch.as_strided(buffer, (r.count, r.run), (r.stride, 1), base + r.offset)
+                dst.copy_(view.view(r.count, r.run))
+                sums.append(0 if fresh is None else int(checksums.function(algorithm)(memoryview(view.numpy()))))
             del views, view, local  # this tensor's cast is freed before the next one is made
         return sums
 
@@ -468,7 +477,7 @@ class RankedPublisher:
         raise own
 
     def _publish_rank(self, named: list[tuple[str, Any]], version: int) -> PublishReport:
-        from bridge.shm import Segment
+        from bridge.shm import AttachCache, Segment
 
         d = self.config.deadlines
         start = self._await({"start"}, version, d.connect_s + d.manifest_s, f"the start of version {version}")
@@ -486,6 +495,12 @@ class RankedPublisher:
         by_name = {s.name: s for s in manifest.tensors}
         if self.transport == "zmq":
             return self._stream_rank(version, manifest, per_bucket, by_name, held)
+        # rank 0 reuses its segments from one version to the next: kept mapped here, the next version's writes
+        # land in pages this process has mapped, without a fresh mapping's page faults on first touch; a segment
+        # rank 0 unlinked (closed, or replaced after a failed update) is unmapped here
+        if self._mapped is None:
+            self._mapped = AttachCache()
+        self._mapped.prune()
         segments: list[Segment] = []
         own: BaseException | None = None
         try:
@@ -495,7 +510,7 @@ class RankedPublisher:
                 if mine:
                     import torch
 
-                    seg = Segment.attach(name, size)
+                    seg = self._mapped.attach(name, size)
                     segments.append(seg)
                     buffer = torch.frombuffer(seg.mm, dtype=torch.uint8, count=size)
                     sums = self._write(index, buffer, by_name, mine, held, manifest.checksum)
