@@ -504,3 +504,71 @@ def test_wire_form_raises_only_wire_errors(changes: dict[str, object], dropped: 
     except WireError:
         return
     assert DeltaSpec.from_wire(spec.to_wire()) == spec
+
+
+# ---- in place: the publisher's compare, the receiver's patch of its own base ------------------------------------
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4099, 9 << 19], ids=["empty", "one", "small", "threaded"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_changed_positions_are_those_of_the_full_compare(dtype: torch.dtype, numel: int) -> None:
+    """``changed_positions`` (chunked, over two threads above a few chunks) finds exactly the elements whose
+    bit patterns differ, in order, and the checksum of ``new`` is the one-shot one; ``encode_bytes`` given
+    them makes the very payload it makes without."""
+    gen = torch.Generator().manual_seed(numel)
+    base = random_tensor((numel,), dtype, gen)
+    new = rl_step(base, 0.01, gen)
+    if numel > 5:
+        new.view(-1)[-1] = base.view(-1)[-1] + 1  # the last element too (the tail's last chunk)
+    old_b, new_b = delta.tensor_bytes(base), delta.tensor_bytes(new)
+    width = base.element_size()
+    positions, total = delta.changed_positions(old_b, new_b, width, "xxh3")
+    expected = np.flatnonzero(old_b.view(f"<u{width}") != new_b.view(f"<u{width}"))
+    assert positions.dtype == np.int64 and np.array_equal(positions, expected)
+    assert total == checksums.function("xxh3")(new_b)
+    assert delta.changed_positions(old_b, new_b, width)[1] is None
+    name, dtype_s = "model.layers.0.w", delta.dtype_name(base)
+    plain = delta.encode_bytes(old_b, new_b, name=name, dtype=dtype_s, shape=(numel,), base_version=3)
+    given_ = delta.encode_bytes(old_b, new_b, name=name, dtype=dtype_s, shape=(numel,), base_version=3, positions=positions)
+    assert given_.spec == plain.spec and bytes(given_.payload) == bytes(plain.payload)
+
+
+@pytest.mark.parametrize("encoding", delta.ENCODINGS)
+def test_patch_in_place_makes_the_new_tensor_and_undo_restores_the_base(step: tuple[torch.Tensor, torch.Tensor],
+                                                                        encoding: delta.Encoding) -> None:
+    base, new = step
+    d = delta.encode(base, new, name="model.layers.3.w", base_version=41, encodings=(encoding,))
+    data = delta.tensor_bytes(base.clone())
+    undo: list[object] = []
+    written = delta.patch_in_place(data, d, undo)
+    assert data.tobytes() == bits(new) and len(undo) == 1
+    if encoding == "sparse":
+        assert written is not None and written.size == d.spec.changed
+    else:
+        assert written is None
+    delta.undo_patches(undo)
+    assert data.tobytes() == bits(base)
+
+
+@pytest.mark.parametrize("encoding", delta.ENCODINGS)
+def test_a_refused_patch_in_place_leaves_the_base_as_it_was(step: tuple[torch.Tensor, torch.Tensor], encoding: delta.Encoding) -> None:
+    """A corrupt patch (its result's checksum differs) or a wrong base: CorruptPatch / WrongBase, and the base's
+    bytes are bit-identical after it, with nothing left to undo."""
+    base, new = step
+    d = delta.encode(base, new, name="model.layers.3.w", base_version=41, encodings=(encoding,))
+    lying = DeltaTensor(DeltaSpec(**{**d.spec.__dict__, "result_checksum": d.spec.result_checksum ^ 1}), d.payload)
+    data = delta.tensor_bytes(base.clone())
+    undo: list[object] = []
+    with pytest.raises(CorruptPatch, match="the base is kept"):
+        delta.patch_in_place(data, lying, undo)
+    assert data.tobytes() == bits(base) and undo == []
+    other = base.clone()
+    other[17] = other[17] + 1
+    data = delta.tensor_bytes(other)
+    with pytest.raises(WrongBase):
+        delta.patch_in_place(data, d, undo)
+    assert data.tobytes() == bits(other) and undo == []
+    if encoding != "dense":  # (a dense payload's result does not depend on the base)
+        with pytest.raises(CorruptPatch):  # base not rehashed (the caller vouched for it): the result's checksum catches it
+            delta.patch_in_place(data, d, undo, check_base_bytes=False)
+        assert data.tobytes() == bits(other) and undo == []
