@@ -428,10 +428,12 @@ def apply_bytes(base: np.ndarray, delta: DeltaTensor, out: np.ndarray) -> None:
         )
 
 
-def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any], check_base_bytes: bool = True) -> np.ndarray | None:
+def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any],
+                   check_base_bytes: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """Turn ``data`` (the base's bytes, a flat uint8 array) into the result of ``delta`` **in place**, recording
     in ``undo`` what ``undo_patches`` needs to put the base back bit for bit; returns the positions written
-    (int64 elements), or None when the whole tensor was (xor, dense).
+    (int64 elements) and the values written there (unsigned integers of the element's width), or None when
+    the whole tensor was (xor, dense).
 
     Contract, in order:
       1. the base: its size (ManifestError), then, with ``check_base_bytes``, its checksum (WrongBase); a
@@ -453,18 +455,20 @@ def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any], check_
     width, numel = spec.itemsize, spec.numel
     raw = _decompress(spec, delta.payload)
     bits = data.view(_uint(width))
-    written: np.ndarray | None
+    written: tuple[np.ndarray, np.ndarray] | None = None
     if spec.encoding == "sparse":
-        written, values = _sparse_decode(spec, raw)
-        undo.append((bits, written, bits[written]))  # fancy indexing: a copy of the old values
-        bits[written] ^= values
+        positions, values = _sparse_decode(spec, raw)
+        old = bits[positions]  # fancy indexing: a copy of the old values
+        undo.append((bits, positions, old))
+        np.bitwise_xor(old, values, out=values)
+        bits[positions] = values
+        written = positions, values
     else:
         diff = None
         if spec.encoding == "xor":
             diff = np.empty(numel, dtype=_uint(width))
             _unplanes(raw, width, diff.view("u1"))
         undo.append((data, None, data.copy()))
-        written = None
         if diff is not None:
             np.bitwise_xor(bits, diff, out=bits)
         elif spec.codec == "none":

@@ -105,8 +105,7 @@ class BaseStore:
                 written = patch_in_place(target, DeltaTensor(entry.delta, memoryview(payload)), self.undo,  # type: ignore[arg-type]
                                          check_base_bytes=False)
                 if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
-                    width = wire.DTYPE_SIZES[spec.dtype]
-                    values = target if written is None else np.ascontiguousarray(target.view(f"<u{width}")[written]).view(np.uint8)
+                    values = target if written is None else written[1].view(np.uint8)
                     if values.nbytes and not all_finite(values, spec.dtype):
                         raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
             sums.append(entry.checksum)

@@ -404,7 +404,7 @@ def test_base_store_patches_its_own_buckets_and_a_failed_delta_leaves_the_base_b
     import numpy as np
     import torch
 
-    from bridge.errors import CorruptPatch
+    from bridge.errors import CorruptPatch, NonFiniteError
 
     v1 = {f"model.layers.{i}.mlp.down_proj.weight": (0.02 * torch.randn(64, 96, generator=torch.Generator().manual_seed(i))).bfloat16()
           for i in range(3)}
@@ -435,6 +435,18 @@ def test_base_store_patches_its_own_buckets_and_a_failed_delta_leaves_the_base_b
         assert store.version == 2 and {name: bytes(t) for name, t in store.tensors.items()} == {k: _raw(v) for k, v in v2.items()}
         assert [b.segment for b in staged] == [b.segment for b in buckets]
         for _, w in parts:
+            w.segment.close()
+        # under nonfinite: reject a NaN written by a patch is refused (only the written values are checked)
+        v3 = {k: v.clone() for k, v in v2.items()}
+        first_name = m.by_bucket()[0][0].name
+        v3[first_name].view(-1)[5] = float("nan")
+        dm3, parts3 = _patches(store, dm, v3, 3)
+        assert parts3[0][0].entries[0].delta is not None and parts3[0][0].entries[0].delta.encoding == "sparse"
+        with pytest.raises(NonFiniteError, match=first_name):
+            store.patch(dm3, parts3[0][0], 0, parts3[0][1], b"pub", "reject")
+        store.rollback()
+        assert {name: bytes(t) for name, t in store.tensors.items()} == {k: _raw(v) for k, v in v2.items()}
+        for _, w in parts3:
             w.segment.close()
     finally:
         store.clear()
