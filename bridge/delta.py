@@ -261,11 +261,12 @@ def encode(base: torch.Tensor, new: torch.Tensor, *, name: str, base_version: in
 def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, shape: tuple[int, ...], base_version: int,
                  checksum: str = checksums.DEFAULT, encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL,
                  base_checksum: int | None = None, result_checksum: int | None = None,
-                 positions: np.ndarray | None = None) -> DeltaTensor:
+                 positions: np.ndarray | None = None, values: np.ndarray | None = None) -> DeltaTensor:
     """``encode`` on the raw little-endian bytes (flat uint8 arrays) of a ``dtype`` tensor of ``shape``;
     ``result_checksum`` may pass the checksum of ``new`` when the caller has it (trusted, not recomputed), and
-    ``positions`` the elements whose bit patterns differ (``changed_positions``: trusted, not recomputed;
-    the same payload results)."""
+    ``positions`` and ``values`` the elements whose bit patterns differ and the XOR of base and new at each
+    (``changed_positions``: trusted, not recomputed; the same payload results). Given those, ``base`` is
+    not read (only its checksum is needed, as ``base_checksum``), so it may already hold ``new``."""
     import numpy as np
 
     width = DTYPE_SIZES[dtype]
@@ -276,7 +277,7 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
     old_bits = base.view(_uint(width))
     new_bits = new.view(_uint(width))
     diff: np.ndarray | None = None
-    if positions is None:
+    if positions is None or values is None:
         diff = np.bitwise_xor(old_bits, new_bits)
         positions = np.flatnonzero(diff != 0)  # through a bool mask: 4x faster than on the integers
     changed = int(positions.size)
@@ -291,11 +292,16 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
         if changed:
             gaps[0] = positions[0]
             np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
-        values = diff[positions] if diff is not None else np.bitwise_xor(old_bits[positions], new_bits[positions])
+        if diff is not None:
+            values = diff[positions]
+        assert values is not None
         raw = np.concatenate([_planes(gaps, iw), _planes(values, width)])
         candidates.append(_candidate("sparse", raw, level))
     elif patch == "xor" and "xor" in encodings:
-        candidates.append(_candidate("xor", _planes(np.bitwise_xor(old_bits, new_bits) if diff is None else diff, width), level))
+        if diff is None:  # from the changed positions' values: the base may hold the new bytes already
+            diff = np.zeros(numel, dtype=_uint(width))
+            diff[positions] = values
+        candidates.append(_candidate("xor", _planes(diff, width), level))
     if "dense" in encodings:
         best = min((_size(c[2], numel * width) for c in candidates), default=numel * width)
         packed = _compress(_planes(new_bits, width), level) if best >= DENSE_TRY_ABOVE * numel * width else None
@@ -314,11 +320,15 @@ COMPARE_CHUNK_BYTES = 1 << 20  # compared (and summed) while in cache
 _compare_pool: Any = None
 
 
-def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: str | None = None) -> tuple[np.ndarray, int | None]:
+def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: str | None = None,
+                      patch: bool = False) -> tuple[np.ndarray, np.ndarray, int | None]:
     """The positions (int64, increasing) of the ``width``-byte elements whose bit patterns differ between
-    ``base`` and ``new`` (flat uint8 arrays of one size) and, with ``checksum``, that algorithm's checksum of
-    ``new``: one read of each, chunk by chunk, spread over two threads (numpy's compare and xxh3 release the
-    GIL): a helper thread sums ``new`` and compares the tail while this one compares the head."""
+    ``base`` and ``new`` (flat uint8 arrays of one size), the XOR of base and new at each, and, with
+    ``checksum``, that algorithm's checksum of ``new``: one read of each, chunk by chunk (the values gathered
+    while the chunk is in cache, not by random access afterwards), spread over two threads (numpy's compare
+    and xxh3 release the GIL): a helper thread sums ``new`` and compares the tail while this one compares the
+    head. With ``patch`` the changed elements of ``base`` are overwritten with ``new``'s in the same pass, so
+    ``base`` ends as ``new``."""
     import numpy as np
 
     global _compare_pool
@@ -327,20 +337,25 @@ def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: s
     old_bits, new_bits = base.view(_uint(width)), new.view(_uint(width))
     numel, step = int(old_bits.size), max(COMPARE_CHUNK_BYTES // width, 1)
 
-    def compare(lo: int, hi: int) -> list[np.ndarray]:
-        found = []
+    def compare(lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        found, xors = [], []
         for start in range(lo, hi, step):
             end = min(start + step, hi)
-            hits = np.flatnonzero(old_bits[start:end] != new_bits[start:end])
+            a, b = old_bits[start:end], new_bits[start:end]
+            hits = np.flatnonzero(a != b)
             if hits.size:
+                fresh = b[hits]
+                xors.append(np.bitwise_xor(a[hits], fresh))
+                if patch:
+                    a[hits] = fresh
                 found.append(hits + start)
-        return found
+        return found, xors
 
     def digest() -> int | None:
         return None if checksum is None else int(checksums.function(checksum)(new))
 
     if numel <= 4 * step:  # small: not worth a thread
-        found, total = compare(0, numel), digest()
+        (found, xors), total = compare(0, numel), digest()
     else:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -349,15 +364,16 @@ def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: s
         # the checksum reads as fast as about half a compare: the helper's share of the compare is smaller
         split = (int(numel * (0.6 if checksum is not None else 0.5)) // step) * step
 
-        def tail() -> tuple[int | None, list[np.ndarray]]:
+        def tail() -> tuple[int | None, tuple[list[np.ndarray], list[np.ndarray]]]:
             return digest(), compare(split, numel)
 
         pending = _compare_pool.submit(tail)
         head = compare(0, split)
         total, rest = pending.result()
-        found = head + rest
+        found, xors = head[0] + rest[0], head[1] + rest[1]
     positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-    return positions.astype(np.int64, copy=False), total
+    values = np.concatenate(xors) if xors else np.zeros(0, dtype=_uint(width))
+    return positions.astype(np.int64, copy=False), values, total
 
 
 def _size(payload: bytes | None, dense_nbytes: int) -> int:
@@ -456,12 +472,25 @@ def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any],
     raw = _decompress(spec, delta.payload)
     bits = data.view(_uint(width))
     written: tuple[np.ndarray, np.ndarray] | None = None
+    actual: int | None = None
     if spec.encoding == "sparse":
         positions, values = _sparse_decode(spec, raw)
-        old = bits[positions]  # fancy indexing: a copy of the old values
+        # chunk by chunk: a chunk's old values gathered, its new ones written and its bytes summed while in cache
+        old = np.empty_like(values)
         undo.append((bits, positions, old))
-        np.bitwise_xor(old, values, out=values)
-        bits[positions] = values
+        hasher = checksums.running(spec.checksum)()
+        step = max(COMPARE_CHUNK_BYTES // width, 1)
+        cuts = np.searchsorted(positions, np.arange(step, numel, step, dtype=np.int64)).tolist() + [positions.size]
+        lo = 0
+        for chunk, hi in enumerate(cuts):
+            if hi > lo:
+                where = positions[lo:hi]
+                old[lo:hi] = bits[where]
+                np.bitwise_xor(old[lo:hi], values[lo:hi], out=values[lo:hi])
+                bits[where] = values[lo:hi]
+            hasher.update(data[chunk * step * width:(chunk + 1) * step * width])
+            lo = hi
+        actual = int(hasher.intdigest())
         written = positions, values
     else:
         diff = None
@@ -475,7 +504,8 @@ def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any],
             data[:] = raw
         else:
             _unplanes(raw, width, data)
-    actual = checksums.function(spec.checksum)(data)
+    if actual is None:
+        actual = checksums.function(spec.checksum)(data)
     if actual != spec.result_checksum:
         undo_patches([undo.pop()])
         raise CorruptPatch(

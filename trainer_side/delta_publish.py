@@ -182,8 +182,8 @@ def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: i
                     max_ratio: float = DELTA_MAX_RATIO, max_changed: float = DELTA_MAX_CHANGED,
                     encode: bool = True) -> tuple[tuple[BucketDelta, list[tuple[int, Any]], tuple[int, ...]] | None, tuple[int, ...]]:
     """Full bucket ``index`` of the trainer's ``tensors`` (layout ``plan``, that of ``base``) encoded against
-    ``base``'s bucket, which is then **patched in place** into the new version's bytes: the changed elements
-    written, or the whole bucket copied when it goes whole. Returns (its table, its payloads (offset, bytes)
+    ``base``'s bucket, which is **patched in place** into the new version's bytes: the changed elements written
+    during the compare itself. Returns (its table, its payloads (offset, bytes)
     and their checksums; None when it goes whole: more than ``max_changed`` of its elements changed, the
     patches above ``max_ratio`` of its bytes, or ``encode`` false) and the new tensors' checksums.
 
@@ -208,14 +208,15 @@ def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: i
     else:
         news = [r for r in raws if r is not None]
     olds = [held[s.offset:s.offset + s.nbytes] for s in specs]
-    found: list[np.ndarray | None] = []
+    found: list[tuple[np.ndarray, np.ndarray]] = []
     sums: list[int] = []
     numel = changed = 0
     for k, (spec, old, new) in enumerate(zip(specs, olds, news, strict=True)):
         assert spec.name == plan.names[members[k]]
         width = wire.DTYPE_SIZES[spec.dtype]
-        positions, total = changed_positions(old, new, width, None if packed is not None else algorithm)
-        found.append(positions)
+        # the base is patched into the new version in the same pass: it ends as the new version either way
+        positions, values, total = changed_positions(old, new, width, None if packed is not None else algorithm, patch=True)
+        found.append((positions, values))
         if packed is not None:
             sums.append(packed[k])
         else:
@@ -227,18 +228,17 @@ def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: i
     if not numel or changed <= max_changed * numel:
         fn = checksums.function(algorithm)
         entries, items, wire_sums = [], [], []
-        patched: list[np.ndarray | None] = []
         offset = dense = 0
-        for spec, old, new, positions, base_sum, new_sum in zip(specs, olds, news, found, base.sums[index], sums, strict=True):
+        for spec, old, new, (positions, values), base_sum, new_sum in zip(specs, olds, news, found, base.sums[index], sums,
+                                                                            strict=True):
             d = encode_bytes(old, new, name=spec.name, dtype=spec.dtype, shape=spec.shape, base_version=manifest.version,
-                             checksum=algorithm, base_checksum=base_sum, result_checksum=new_sum, positions=positions)
+                             checksum=algorithm, base_checksum=base_sum, result_checksum=new_sum, positions=positions,
+                             values=values)
             data: Any
             if d.spec.nbytes < spec.nbytes:
                 entry, data, data_sum = DeltaEntry(offset, d.spec.nbytes, new_sum, d.spec), d.payload, fn(d.payload)
-                patched.append(positions)
-            else:  # its bytes: the base's, once overwritten below
+            else:  # its bytes: the base's (patched into them already)
                 entry, data, data_sum = DeltaEntry(offset, spec.nbytes, new_sum), old, new_sum
-                patched.append(None)
             entries.append(entry)
             items.append((offset, data))
             wire_sums.append(data_sum)
@@ -247,13 +247,6 @@ def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: i
         if not dense or sum(e.nbytes for e in entries) <= max_ratio * dense:
             size = min(max(offset, wire.ALIGN), manifest.bucket_sizes[index])
             result = BucketDelta(size, tuple(entries)), items, tuple(wire_sums)
-            found = patched
-    for spec, old, new, where in zip(specs, olds, news, found if result is not None else [None] * len(specs), strict=True):
-        if where is None:
-            old[:] = new
-        else:
-            width = wire.DTYPE_SIZES[spec.dtype]
-            old.view(f"<u{width}")[where] = new.view(f"<u{width}")[where]
     if scratch is not None:
         buffers.give(scratch)
     return result, tuple(sums)
