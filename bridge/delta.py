@@ -20,6 +20,11 @@ the checksum of the resulting full tensor. ``apply`` refuses a base whose checks
 hash to the declared checksum (:class:`CorruptPatch`). Checksums are those of bridge/checksums.py, over the
 tensor's bytes in its wire dtype, so a delta's result checksum is the one a dense update of the same
 tensor carries.
+
+In place, for the two sides' hot paths: ``changed_positions`` finds the changed elements and the new
+checksum in one read of base and new (what ``encode_bytes`` then takes as ``positions``), and
+``patch_in_place`` turns a receiver's own base into the result, recording what it overwrote
+(``undo_patches`` puts it back) and putting the base back itself when the result's checksum is wrong.
 """
 
 from __future__ import annotations
@@ -255,9 +260,13 @@ def encode(base: torch.Tensor, new: torch.Tensor, *, name: str, base_version: in
 
 def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, shape: tuple[int, ...], base_version: int,
                  checksum: str = checksums.DEFAULT, encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL,
-                 base_checksum: int | None = None, result_checksum: int | None = None) -> DeltaTensor:
+                 base_checksum: int | None = None, result_checksum: int | None = None,
+                 positions: np.ndarray | None = None, values: np.ndarray | None = None) -> DeltaTensor:
     """``encode`` on the raw little-endian bytes (flat uint8 arrays) of a ``dtype`` tensor of ``shape``;
-    ``result_checksum`` may pass the checksum of ``new`` when the caller has it (trusted, not recomputed)."""
+    ``result_checksum`` may pass the checksum of ``new`` when the caller has it (trusted, not recomputed), and
+    ``positions`` and ``values`` the elements whose bit patterns differ and the XOR of base and new at each
+    (``changed_positions``: trusted, not recomputed; the same payload results). Given those, ``base`` is
+    not read (only its checksum is needed, as ``base_checksum``), so it may already hold ``new``."""
     import numpy as np
 
     width = DTYPE_SIZES[dtype]
@@ -267,8 +276,10 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
     fn = checksums.function(checksum)
     old_bits = base.view(_uint(width))
     new_bits = new.view(_uint(width))
-    diff = np.bitwise_xor(old_bits, new_bits)
-    positions = np.flatnonzero(diff != 0)  # through a bool mask: 4x faster than on the integers
+    diff: np.ndarray | None = None
+    if positions is None or values is None:
+        diff = np.bitwise_xor(old_bits, new_bits)
+        positions = np.flatnonzero(diff != 0)  # through a bool mask: 4x faster than on the integers
     changed = int(positions.size)
 
     candidates: list[tuple[Encoding, Codec, bytes | None]] = []  # None: the dense bytes, copied only if chosen
@@ -281,9 +292,15 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
         if changed:
             gaps[0] = positions[0]
             np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
-        raw = np.concatenate([_planes(gaps, iw), _planes(diff[positions], width)])
+        if diff is not None:
+            values = diff[positions]
+        assert values is not None
+        raw = np.concatenate([_planes(gaps, iw), _planes(values, width)])
         candidates.append(_candidate("sparse", raw, level))
     elif patch == "xor" and "xor" in encodings:
+        if diff is None:  # from the changed positions' values: the base may hold the new bytes already
+            diff = np.zeros(numel, dtype=_uint(width))
+            diff[positions] = values
         candidates.append(_candidate("xor", _planes(diff, width), level))
     if "dense" in encodings:
         best = min((_size(c[2], numel * width) for c in candidates), default=numel * width)
@@ -297,6 +314,66 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
         nbytes=len(payload), dense_nbytes=numel * width, changed=changed,
     )
     return DeltaTensor(spec, payload)
+
+
+COMPARE_CHUNK_BYTES = 1 << 20  # compared (and summed) while in cache
+_compare_pool: Any = None
+
+
+def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: str | None = None,
+                      patch: bool = False) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """The positions (int64, increasing) of the ``width``-byte elements whose bit patterns differ between
+    ``base`` and ``new`` (flat uint8 arrays of one size), the XOR of base and new at each, and, with
+    ``checksum``, that algorithm's checksum of ``new``: one read of each, chunk by chunk (the values gathered
+    while the chunk is in cache, not by random access afterwards), spread over two threads (numpy's compare
+    and xxh3 release the GIL): a helper thread sums ``new`` and compares the tail while this one compares the
+    head. With ``patch`` the changed elements of ``base`` are overwritten with ``new``'s in the same pass, so
+    ``base`` ends as ``new``."""
+    import numpy as np
+
+    global _compare_pool
+    if base.nbytes != new.nbytes or base.nbytes % width:
+        raise ValueError(f"changed_positions: {base.nbytes} and {new.nbytes} bytes of {width}-byte elements")
+    old_bits, new_bits = base.view(_uint(width)), new.view(_uint(width))
+    numel, step = int(old_bits.size), max(COMPARE_CHUNK_BYTES // width, 1)
+
+    def compare(lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        found, xors = [], []
+        for start in range(lo, hi, step):
+            end = min(start + step, hi)
+            a, b = old_bits[start:end], new_bits[start:end]
+            hits = np.flatnonzero(a != b)
+            if hits.size:
+                fresh = b[hits]
+                xors.append(np.bitwise_xor(a[hits], fresh))
+                if patch:
+                    a[hits] = fresh
+                found.append(hits + start)
+        return found, xors
+
+    def digest() -> int | None:
+        return None if checksum is None else int(checksums.function(checksum)(new))
+
+    if numel <= 4 * step:  # small: not worth a thread
+        (found, xors), total = compare(0, numel), digest()
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _compare_pool is None:
+            _compare_pool = ThreadPoolExecutor(1, thread_name_prefix="wb-delta-compare")
+        # the checksum reads as fast as about half a compare: the helper's share of the compare is smaller
+        split = (int(numel * (0.6 if checksum is not None else 0.5)) // step) * step
+
+        def tail() -> tuple[int | None, tuple[list[np.ndarray], list[np.ndarray]]]:
+            return digest(), compare(split, numel)
+
+        pending = _compare_pool.submit(tail)
+        head = compare(0, split)
+        total, rest = pending.result()
+        found, xors = head[0] + rest[0], head[1] + rest[1]
+    positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    values = np.concatenate(xors) if xors else np.zeros(0, dtype=_uint(width))
+    return positions.astype(np.int64, copy=False), values, total
 
 
 def _size(payload: bytes | None, dense_nbytes: int) -> int:
@@ -365,6 +442,86 @@ def apply_bytes(base: np.ndarray, delta: DeltaTensor, out: np.ndarray) -> None:
             f"tensor {spec.name}: corrupt patch: the result's {spec.checksum} is {actual:#x}, the delta declares "
             f"{spec.result_checksum:#x} (version {spec.base_version} + {spec.encoding} patch)"
         )
+
+
+def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any],
+                   check_base_bytes: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """Turn ``data`` (the base's bytes, a flat uint8 array) into the result of ``delta`` **in place**, recording
+    in ``undo`` what ``undo_patches`` needs to put the base back bit for bit; returns the positions written
+    (int64 elements) and the values written there (unsigned integers of the element's width), or None when
+    the whole tensor was (xor, dense).
+
+    Contract, in order:
+      1. the base: its size (ManifestError), then, with ``check_base_bytes``, its checksum (WrongBase); a
+         caller whose base's checksum is recorded and was checked against the delta's (``BaseStore.check``)
+         may skip the rehash. ``data`` untouched.
+      2. the payload decoded and checked as ``apply_bytes`` does (CorruptPatch), ``data`` untouched.
+      3. the result written into ``data`` (the base's old values at the written positions, or a copy of the
+         whole base, appended to ``undo`` first) and its checksum compared with ``result_checksum``: on a
+         mismatch the base is put back (and its record taken off ``undo``) and CorruptPatch raised, so a
+         refused patch leaves ``data`` as it was.
+    The checksum checked is the one of the resulting full tensor, as for ``apply_bytes``."""
+    import numpy as np
+
+    spec = delta.spec
+    if data.nbytes != spec.dense_nbytes:
+        raise ManifestError(f"tensor {spec.name}: the base here is {data.nbytes} bytes, the delta's {list(spec.shape)} {spec.dtype} is {spec.dense_nbytes}")
+    if check_base_bytes:
+        check_base(data, spec)
+    width, numel = spec.itemsize, spec.numel
+    raw = _decompress(spec, delta.payload)
+    bits = data.view(_uint(width))
+    written: tuple[np.ndarray, np.ndarray] | None = None
+    actual: int | None = None
+    if spec.encoding == "sparse":
+        positions, values = _sparse_decode(spec, raw)
+        # chunk by chunk: a chunk's old values gathered, its new ones written and its bytes summed while in cache
+        old = np.empty_like(values)
+        undo.append((bits, positions, old))
+        hasher = checksums.running(spec.checksum)()
+        step = max(COMPARE_CHUNK_BYTES // width, 1)
+        cuts = np.searchsorted(positions, np.arange(step, numel, step, dtype=np.int64)).tolist() + [positions.size]
+        lo = 0
+        for chunk, hi in enumerate(cuts):
+            if hi > lo:
+                where = positions[lo:hi]
+                old[lo:hi] = bits[where]
+                np.bitwise_xor(old[lo:hi], values[lo:hi], out=values[lo:hi])
+                bits[where] = values[lo:hi]
+            hasher.update(data[chunk * step * width:(chunk + 1) * step * width])
+            lo = hi
+        actual = int(hasher.intdigest())
+        written = positions, values
+    else:
+        diff = None
+        if spec.encoding == "xor":
+            diff = np.empty(numel, dtype=_uint(width))
+            _unplanes(raw, width, diff.view("u1"))
+        undo.append((data, None, data.copy()))
+        if diff is not None:
+            np.bitwise_xor(bits, diff, out=bits)
+        elif spec.codec == "none":
+            data[:] = raw
+        else:
+            _unplanes(raw, width, data)
+    if actual is None:
+        actual = checksums.function(spec.checksum)(data)
+    if actual != spec.result_checksum:
+        undo_patches([undo.pop()])
+        raise CorruptPatch(
+            f"tensor {spec.name}: corrupt patch: the result's {spec.checksum} is {actual:#x}, the delta declares "
+            f"{spec.result_checksum:#x} (version {spec.base_version} + {spec.encoding} patch); the base is kept"
+        )
+    return written
+
+
+def undo_patches(undo: list[Any]) -> None:
+    """Put back, latest first, what ``patch_in_place`` (or a caller, with the same records) overwrote."""
+    for target, where, old in reversed(undo):
+        if where is None:
+            target[:] = old
+        else:
+            target[where] = old
 
 
 def _sparse_decode(spec: DeltaSpec, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,15 +1,19 @@
 """The receiver's base for delta updates: its own copy of the version it last applied, and the rebuild of full
-tensors from patches into staging (docs/delta.md).
+tensors from patches (docs/delta.md).
 
-Where the copy lives: in the receiver's process (``SyncReceiver``), one per engine, filled from the staged
-buckets of every update it applied (dense or delta) once the engine confirmed the apply (streaming: copied
-as each bucket is staged, kept once the update is applied). It holds every
-tensor those updates carried, in the wire dtype, and the checksum each was verified against: **one model of
-host RAM per receiver** (``sum(Manifest.tensors nbytes)`` of the model), besides the staging of an update in
-flight. It starts empty, so an engine (re)started or cold-loaded refuses patches until a dense update
-filled it. It answers "is the named base what this engine serves?" by version and recorded checksums (no
-rehash), and ``rebuild`` then checks each base tensor's bytes again (``delta.apply_bytes``) and the
-checksum of each resulting full tensor before the bucket reaches the engine.
+Where the copy lives: in the receiver's process (``SyncReceiver``), one per engine. In staged mode it **is** the
+applied update's staging: once the engine confirmed an update (dense or delta), ``adopt`` keeps its full buckets
+(the segments the engine loaded from; no copy), and the next delta is patched into those segments in place
+(``patch``), which the engine then loads; what each patch overwrote is recorded, so a failed or abandoned
+update is rolled back (``rollback``) to the base bit for bit. In streaming mode (buckets freed as they load)
+each staged bucket is copied into the store as it is staged (``take``) and kept once applied (``commit``).
+It holds every tensor those updates carried, in the wire dtype, and the checksum each was verified against:
+**one model of host RAM per receiver** (``sum(Manifest.tensors nbytes)`` of the model), besides the wire
+buckets of an update in flight (a dense update's staging, which then becomes the store). It starts empty, so
+an engine (re)started or cold-loaded refuses patches until a dense update filled it. It answers "is the named
+base what this engine serves?" by version and recorded checksums (no rehash); a patch then checks the
+checksum of each resulting full tensor before the bucket reaches the engine (``rebuild``, into a new
+segment, also checks each base tensor's bytes again: it serves a relay's store, which others read).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from bridge import wire
-from bridge.delta import BucketDelta, DeltaTensor, apply_bytes
-from bridge.errors import ChecksumError, WrongBase
-from bridge.shm import SegmentPool
+from bridge.delta import BucketDelta, DeltaTensor, apply_bytes, patch_in_place, undo_patches
+from bridge.errors import ChecksumError, NonFiniteError, WrongBase
+from bridge.finite import all_finite
+from bridge.shm import Segment, SegmentPool
 from inference_side.contract import StagedBucket
 from inference_side.verify import verify_bucket
 
@@ -39,14 +44,133 @@ class BaseStore:
         self.algorithm = ""
         self.tensors: dict[str, np.ndarray] = {}
         self.sums: dict[str, int] = {}
+        # staged mode (``adopt``): the applied version's full buckets themselves, the segments the engine loaded
+        # from (``tensors`` are views into them), and their layout; a delta is patched into them in place
+        self.segments: dict[int, Segment] = {}
+        self.layout: tuple[tuple[wire.TensorSpec, ...], tuple[int, ...]] = ((), ())
+        self.patching: bytes | None = None  # the update patching ``segments`` in place (``patch``) until it ends
+        self.undo: list[object] = []  # what that update overwrote (``bridge.delta.undo_patches``)
+        self.stale = False  # another update was applied while one patched: no base once that one ends
 
     @property
     def nbytes(self) -> int:
         """Host memory the kept tensors take."""
         return sum(t.nbytes for t in self.tensors.values())
 
-    def clear(self) -> None:
+    def clear(self, pool: SegmentPool | None = None) -> None:
+        """Keep nothing; held segments go back to ``pool``, or are closed."""
         self.version, self.algorithm, self.tensors, self.sums = 0, "", {}, {}
+        for segment in self.segments.values():
+            pool.give(segment) if pool is not None else segment.close()
+        self.segments, self.layout = {}, ((), ())
+        self.patching, self.undo, self.stale = None, [], False
+
+    def can_patch(self, manifest: wire.Manifest, identity: bytes) -> bool:
+        """The delta ``manifest`` (its base checked: ``check``) can be patched into the held segments in place:
+        they hold every bucket in its layout, and no other update patches them."""
+        return (bool(self.segments) and self.layout == (manifest.tensors, manifest.bucket_sizes)
+                and len(self.segments) == len(manifest.bucket_sizes) and self.patching in (None, identity))
+
+    def patch(self, manifest: wire.Manifest, delta: BucketDelta, index: int, wire_bucket: StagedBucket, identity: bytes,
+              nonfinite: str) -> StagedBucket:
+        """Full bucket ``index`` of the delta ``manifest`` made **in place** in the held segment of that bucket
+        (``can_patch``): each patch applied (``bridge.delta.patch_in_place``: the result's checksum checked; the
+        base's was checked at ``check`` against the recorded one, the bytes verified when kept, so not rehashed),
+        each tensor sent whole copied; under ``nonfinite: reject`` the values written are checked (the rest are
+        the base's, checked when they came). What each overwrote is recorded: ``rollback`` puts the base back
+        bit for bit (a failed or abandoned update), ``adopt`` keeps the result. Raises as ``rebuild`` does;
+        this bucket's own writes are undone then too (by ``rollback``, which the failed update's end calls).
+        The returned bucket's segment is the store's: the update must not free it."""
+        import numpy as np
+
+        self.patching = identity
+        specs = manifest.by_bucket()[index]
+        entries = dict(zip((t.name for t in specs), delta.entries, strict=True))
+        segment = self.segments[index]
+        out = np.frombuffer(segment.buffer, dtype=np.uint8)
+        source = np.frombuffer(wire_bucket.segment.buffer, dtype=np.uint8)
+        sent = dict(zip((s.name for s in wire_bucket.specs), wire_bucket.checksums, strict=False))
+        sums = []
+        for spec in specs:
+            entry = entries[spec.name]
+            payload = source[entry.offset:entry.offset + entry.nbytes]
+            target = out[spec.offset:spec.offset + spec.nbytes]
+            if entry.delta is None:  # sent whole: its payload was verified against the header, and checked finite
+                if spec.name in sent and sent[spec.name] != entry.checksum:
+                    raise ChecksumError(f"tensor {spec.name}: its bucket's checksum {sent[spec.name]:#x} differs from the "
+                                        f"delta entry's {entry.checksum:#x}")
+                self.undo.append((target, None, target.copy()))
+                target[:] = payload
+            else:
+                written = patch_in_place(target, DeltaTensor(entry.delta, memoryview(payload)), self.undo,  # type: ignore[arg-type]
+                                         check_base_bytes=False)
+                if nonfinite == "reject" and spec.dtype in wire.FLOAT_DTYPES and spec.nbytes:
+                    values = target if written is None else written[1].view(np.uint8)
+                    if values.nbytes and not all_finite(values, spec.dtype):
+                        raise NonFiniteError(f"tensor {spec.name}: holds NaN or Inf (policy sync.nonfinite=reject)")
+            sums.append(entry.checksum)
+        return StagedBucket(index, segment, list(specs), tuple(sums))
+
+    def rollback(self) -> None:
+        """The update that patched the held segments failed or was abandoned: put back every byte it wrote.
+        The store then holds its version again, bit for bit."""
+        undo_patches(self.undo)
+        self.undo, self.patching = [], None
+        if self.stale:
+            self.clear()
+
+    def adopt(self, manifest: wire.Manifest, buckets: list[StagedBucket], identity: bytes, pool: SegmentPool) -> set[int]:
+        """Staged mode: the update ``manifest`` was applied from these full buckets (verified); they become the
+        base, **without a copy**: a bucket patched in place is the store's already, a receive segment of this
+        update is taken over (the held one of that index goes back to ``pool``), a segment this receiver does
+        not own (a publisher's shm segment) is copied into one. Returns the indexes of the buckets now held (the
+        update must not free them). Without usable checksums (as ``commit``) nothing is kept; a LoRA adapter's
+        update changes nothing here; an update applied while another patches the held segments leaves no
+        base once that one ends (the next delta goes dense)."""
+        import numpy as np
+
+        if manifest.adapter is not None:
+            return set()
+        if self.patching not in (None, identity):
+            self.stale = True
+            return set()
+        self.undo, self.patching = [], None
+        complete = all(len(b.checksums) == len(b.specs) for b in buckets)
+        if self.stale or manifest.checksum in ("", "none") or not complete or len(buckets) != len(manifest.bucket_sizes):
+            self.clear(pool)
+            return set()
+        if self.layout != (manifest.tensors, manifest.bucket_sizes):
+            for segment in self.segments.values():
+                pool.give(segment)
+            self.segments = {}
+        kept: set[int] = set()
+        tensors: dict[str, np.ndarray] = {}
+        sums: dict[str, int] = {}
+        for bucket in buckets:
+            held = self.segments.get(bucket.index)
+            segment = bucket.segment
+            if segment is not held:
+                if not segment.owner:  # the publisher's: copied into a segment of ours
+                    own = held if held is not None and held.size >= segment.size else pool.take(segment.size)
+                    np.frombuffer(own.buffer, dtype=np.uint8)[:segment.size] = np.frombuffer(segment.buffer, dtype=np.uint8)[:segment.size]
+                    segment = own
+                    if held is not None and held is not own:
+                        pool.give(held)
+                else:
+                    kept.add(bucket.index)
+                    if held is not None:
+                        pool.give(held)
+                self.segments[bucket.index] = segment
+            else:
+                kept.add(bucket.index)
+            view = np.frombuffer(segment.buffer, dtype=np.uint8)
+            for spec, checksum in zip(bucket.specs, bucket.checksums, strict=True):
+                tensors[spec.name] = view[spec.offset:spec.offset + spec.nbytes]
+                sums[spec.name] = checksum
+        self.tensors, self.sums, self.algorithm = tensors, sums, manifest.checksum
+        self.layout = (manifest.tensors, manifest.bucket_sizes)
+        self.version = manifest.version
+        return kept
 
     def keep(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> None:
         """An update of base weights was applied from these staged buckets (full tensors and their verified
@@ -92,6 +216,7 @@ class BaseStore:
             return
         if manifest.checksum != self.algorithm:
             self.tensors, self.sums, self.algorithm = {}, {}, manifest.checksum
+        self.layout = ((), ())  # the held segments (if any) are storage now, not buckets to patch in place
         for name, (data, checksum) in kept.items():
             self.tensors[name] = data
             self.sums[name] = checksum
@@ -105,6 +230,9 @@ class BaseStore:
         if delta is None:
             return
         base = delta.base_version
+        if self.patching is not None:
+            raise WrongBase(f"{self.engine} is applying another delta on its base; the delta of version {manifest.version} "
+                            f"applies to version {base}")
         if not self.version:
             raise WrongBase(f"{self.engine} holds no base for a delta: it applied no update since it started (restarted "
                             f"or cold-loaded); the delta of version {manifest.version} applies to version {base}")

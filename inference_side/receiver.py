@@ -221,6 +221,8 @@ class SyncReceiver:
             for plane in self._planes.values():
                 plane.close()
             self._pool.close()
+            if self.bases is not None and self._keeps_bases:
+                self.bases.clear()  # its segments (staged mode) are closed
             sock.close(0)
             release_server(ctx, domain)
             if self._ipc_dir:
@@ -449,7 +451,12 @@ class SyncReceiver:
                     check()
             if table is not None and self.bases is not None:  # the full tensors, checked, into staging
                 wire_bucket = session.buckets[index]
-                session.buckets[index] = rebuild(m, table, index, wire_bucket, self.bases, self._pool, scfg.nonfinite)
+                if self._keeps_bases and not session.streaming and self.bases.can_patch(m, session.identity):
+                    session.rollback = self.bases.rollback  # patched in the store's own buckets, undone unless applied
+                    session.buckets[index] = self.bases.patch(m, table, index, wire_bucket, session.identity, scfg.nonfinite)
+                    session.borrowed.add(index)
+                else:
+                    session.buckets[index] = rebuild(m, table, index, wire_bucket, self.bases, self._pool, scfg.nonfinite)
                 session.sums.update(bucket_sums(session.buckets[index].specs, session.buckets[index].checksums))
                 if wire_bucket.segment.owner:
                     self._pool.give(wire_bucket.segment)
@@ -459,8 +466,8 @@ class SyncReceiver:
             self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
-        if self.bases is not None and self._keeps_bases and m.adapter is None:  # the next delta's base, committed once applied
-            session.kept.update(self.bases.take(session.buckets[index]))
+        if self.bases is not None and self._keeps_bases and m.adapter is None and session.streaming:
+            session.kept.update(self.bases.take(session.buckets[index]))  # the next delta's base, committed once applied
         if session.streaming:
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
             return
@@ -534,12 +541,17 @@ class SyncReceiver:
                         result = session.pending.result()
                     except BaseException as exc:  # noqa: BLE001 - report whatever broke the apply
                         result = ApplyResult.refused(exc)
+                    m = session.manifest
+                    if result.ok and not result.report.get("noop") and self.bases is not None and self._keeps_bases:
+                        if session.streaming:
+                            self.bases.commit(m, session.kept)
+                        else:  # the applied buckets become the next delta's base, without a copy
+                            session.rollback = None
+                            session.borrowed |= self.bases.adopt(m, [session.buckets[i] for i in sorted(session.buckets)],
+                                                                 identity, self._pool)
                     session.close(pool=self._pool if result.ok else None)  # a failed update frees its staging
                     if result.ok and not result.report.get("noop"):
-                        m = session.manifest
                         self._served.record(m.checksum, session.sums, (t.name for t in m.tensors), served_scope(m))
-                        if self.bases is not None and self._keeps_bases:
-                            self.bases.commit(m, session.kept)
                     report = dict(result.report)
                     report.setdefault("bytes", session.bytes_in)
                     report.setdefault("buckets_verified_by_peer", session.verified_by_peer)

@@ -44,6 +44,10 @@ class Session:
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
     sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
     kept: dict[str, Any] = field(default_factory=dict)  # streaming, delta bases: each staged tensor's copy and checksum
+    # staged delta patched in the base store's own segments: those buckets are the store's (never freed here),
+    # and ``rollback`` (the store's) puts its base back unless the update was applied and adopted
+    borrowed: set[int] = field(default_factory=set)
+    rollback: Callable[[], None] | None = None
     _ranges: list[list[Any]] | None = None  # a sharded update's ranges per bucket (see ranges())
 
     def ranges(self) -> list[list[Any]]:
@@ -60,7 +64,10 @@ class Session:
         """End the session (the engine's open update is aborted with ``reason``); with ``pool``, receive
         segments no worker can still map go back to it."""
         idle = self.on_abort is None and all(f.done() for _, f in self.loads) and (self.pending is None or self.pending.done())
-        for seg in [b.segment for b in self.buckets.values()] + self.lent:
+        rollback, self.rollback = self.rollback, None
+        if rollback is not None:
+            rollback()
+        for seg in [b.segment for i, b in self.buckets.items() if i not in self.borrowed] + self.lent:
             if pool is not None and idle and seg.owner:
                 pool.give(seg)
             else:

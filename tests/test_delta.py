@@ -504,3 +504,98 @@ def test_wire_form_raises_only_wire_errors(changes: dict[str, object], dropped: 
     except WireError:
         return
     assert DeltaSpec.from_wire(spec.to_wire()) == spec
+
+
+# ---- in place: the publisher's compare, the receiver's patch of its own base ------------------------------------
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4099, 9 << 19], ids=["empty", "one", "small", "threaded"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_changed_positions_are_those_of_the_full_compare(dtype: torch.dtype, numel: int) -> None:
+    """``changed_positions`` (chunked, over two threads above a few chunks) finds exactly the elements whose
+    bit patterns differ, in order, and the checksum of ``new`` is the one-shot one; ``encode_bytes`` given
+    them makes the very payload it makes without."""
+    gen = torch.Generator().manual_seed(numel)
+    base = random_tensor((numel,), dtype, gen)
+    new = rl_step(base, 0.01, gen)
+    if numel > 5:
+        new.view(-1)[-1] = base.view(-1)[-1] + 1  # the last element too (the tail's last chunk)
+    old_b, new_b = delta.tensor_bytes(base), delta.tensor_bytes(new)
+    width = base.element_size()
+    positions, values, total = delta.changed_positions(old_b, new_b, width, "xxh3")
+    u = f"<u{width}"
+    expected = np.flatnonzero(old_b.view(u) != new_b.view(u))
+    assert positions.dtype == np.int64 and np.array_equal(positions, expected)
+    assert np.array_equal(values, old_b.view(u)[expected] ^ new_b.view(u)[expected])
+    assert total == checksums.function("xxh3")(new_b)
+    assert delta.changed_positions(old_b, new_b, width)[2] is None
+    name, dtype_s = "model.layers.0.w", delta.dtype_name(base)
+    for encodings in (delta.ENCODINGS, ("xor", "dense")):
+        plain = delta.encode_bytes(old_b, new_b, name=name, dtype=dtype_s, shape=(numel,), base_version=3, encodings=encodings)
+        patched = old_b.copy()  # with patch, the base ends as new, and the encode from the values does not read it
+        again = delta.changed_positions(patched, new_b, width, patch=True)
+        assert patched.tobytes() == new_b.tobytes() and np.array_equal(again[0], positions)
+        given_ = delta.encode_bytes(patched, new_b, name=name, dtype=dtype_s, shape=(numel,), base_version=3,
+                                    encodings=encodings, base_checksum=plain.spec.base_checksum, positions=again[0], values=again[1])
+        assert given_.spec == plain.spec and bytes(given_.payload) == bytes(plain.payload)
+
+
+@pytest.mark.parametrize("encoding", delta.ENCODINGS)
+def test_patch_in_place_makes_the_new_tensor_and_undo_restores_the_base(step: tuple[torch.Tensor, torch.Tensor],
+                                                                        encoding: delta.Encoding) -> None:
+    base, new = step
+    d = delta.encode(base, new, name="model.layers.3.w", base_version=41, encodings=(encoding,))
+    data = delta.tensor_bytes(base.clone())
+    undo: list[object] = []
+    written = delta.patch_in_place(data, d, undo)
+    assert data.tobytes() == bits(new) and len(undo) == 1
+    if encoding == "sparse":
+        assert written is not None and written[0].size == d.spec.changed
+        assert written[1].tobytes() == np.frombuffer(bits(new), dtype=f"<u{new.element_size()}")[written[0]].tobytes()
+    else:
+        assert written is None
+    delta.undo_patches(undo)
+    assert data.tobytes() == bits(base)
+
+
+@pytest.mark.parametrize("encoding", delta.ENCODINGS)
+def test_a_refused_patch_in_place_leaves_the_base_as_it_was(step: tuple[torch.Tensor, torch.Tensor], encoding: delta.Encoding) -> None:
+    """A corrupt patch (its result's checksum differs) or a wrong base: CorruptPatch / WrongBase, and the base's
+    bytes are bit-identical after it, with nothing left to undo."""
+    base, new = step
+    d = delta.encode(base, new, name="model.layers.3.w", base_version=41, encodings=(encoding,))
+    lying = DeltaTensor(DeltaSpec(**{**d.spec.__dict__, "result_checksum": d.spec.result_checksum ^ 1}), d.payload)
+    data = delta.tensor_bytes(base.clone())
+    undo: list[object] = []
+    with pytest.raises(CorruptPatch, match="the base is kept"):
+        delta.patch_in_place(data, lying, undo)
+    assert data.tobytes() == bits(base) and undo == []
+    other = base.clone()
+    other[17] = other[17] + 1
+    data = delta.tensor_bytes(other)
+    with pytest.raises(WrongBase):
+        delta.patch_in_place(data, d, undo)
+    assert data.tobytes() == bits(other) and undo == []
+    if encoding != "dense":  # (a dense payload's result does not depend on the base)
+        with pytest.raises(CorruptPatch):  # base not rehashed (the caller vouched for it): the result's checksum catches it
+            delta.patch_in_place(data, d, undo, check_base_bytes=False)
+        assert data.tobytes() == bits(other) and undo == []
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 4099, 3 << 19], ids=["empty", "one", "seven", "small", "chunks"])
+def test_patch_in_place_over_sizes_and_chunk_edges(numel: int) -> None:
+    """The sparse patch in place (chunk by chunk, each chunk summed once written) on sizes around its chunks:
+    the result and its checksum are the new tensor's, and undo gives the base back."""
+    gen = torch.Generator().manual_seed(numel + 1)
+    base = random_tensor((numel,), torch.bfloat16, gen)
+    new = rl_step(base, 0.05, gen)
+    if numel > 1:
+        new[0], new[-1] = base[0] + 1, base[-1] + 1  # the first and the last element of the last chunk
+    for checksum in ("xxh3", "crc32"):
+        d = delta.encode(base, new, name="model.layers.0.w", base_version=1, encodings=("sparse",), checksum=checksum)
+        data = delta.tensor_bytes(base.clone())
+        undo: list[object] = []
+        delta.patch_in_place(data, d, undo)
+        assert data.tobytes() == bits(new)
+        delta.undo_patches(undo)
+        assert data.tobytes() == bits(base)

@@ -151,28 +151,45 @@ def _snapshots(old: dict[str, Any], new: dict[str, Any], checksum: str = "crc32"
     return base, *new_snap
 
 
-def test_publisher_encodes_a_small_step_as_a_delta() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_publisher_encodes_a_small_step_as_a_delta(dtype: str) -> None:
+    """Each bucket encoded against the base, which is patched in place into the new version: the same bytes and
+    checksums packing the new version gives, a table that checks, under 5% of dense. Trainer tensors in the wire
+    dtype are compared straight; float32 ones are packed (cast) first."""
+    import numpy as np
     import torch
 
-    from bridge.delta import update_telemetry
-    from trainer_side.delta_publish import encode_bucket, plan_update
+    from bridge.delta import DeltaTensor, apply_bytes, update_telemetry
+    from trainer_side.delta_publish import Buffers, encode_in_place, plan_update
     from trainer_side.packing import pack_bucket
 
     old = _weights()
     new = {k: v.clone() for k, v in old.items()}
     _step(new, seed=1)
+    if dtype == "float32":
+        old, new = ({k: v.float() for k, v in w.items()} for w in (old, new))
     base, snap, plan, tensors = _snapshots(old, new)
     assert plan_update(base, snap.manifest, plan, tensors) == ""
+    old_buffers = [b.clone() for b in base.buffers]
     tables = []
     for index, size in enumerate(snap.manifest.bucket_sizes):
-        snap.buffers[index] = torch.empty(size, dtype=torch.uint8)
-        snap.sums[index] = tuple(pack_bucket(plan, tensors, index, snap.buffers[index], checksum="crc32"))
-        encoded = encode_bucket(base, snap, index)
+        expected = torch.empty(size, dtype=torch.uint8)
+        expected_sums = tuple(pack_bucket(plan, tensors, index, expected, checksum="crc32"))
+        encoded, sums = encode_in_place(base, plan, tensors, index, Buffers())
         assert encoded is not None
-        table, items, sums = encoded
+        assert torch.equal(base.buffers[index], expected) and sums == expected_sums
+        table, items, wire_sums = encoded
         manifest = replace(snap.manifest, delta=DeltaManifest(1, tuple(base.checksums()[t.name] for t in snap.manifest.tensors)))
         table.check(manifest, index)
-        assert table.result_sums() == snap.sums[index] and len(sums) == len(items) == len(table.entries)
+        assert table.result_sums() == sums and len(wire_sums) == len(items) == len(table.entries)
+        for t, entry, (_, data) in zip(snap.manifest.by_bucket()[index], table.entries, items, strict=True):
+            out = np.empty(t.nbytes, dtype=np.uint8)  # the receiver's rebuild from the old base gives the new bytes
+            held = old_buffers[index].numpy()[t.offset:t.offset + t.nbytes]
+            if entry.delta is None:
+                out[:] = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            else:
+                apply_bytes(held, DeltaTensor(entry.delta, memoryview(data)), out)
+            assert np.array_equal(out, expected.numpy()[t.offset:t.offset + t.nbytes])
         tables.append(table)
     telemetry = update_telemetry(snap.manifest, tables, 1)
     assert telemetry["wire_bytes"] <= 0.05 * snap.manifest.total_bytes
@@ -227,10 +244,11 @@ def test_the_estimate_reads_any_tensor_shape_and_dtype() -> None:
 
 @pytest.mark.parametrize("case", ["new-weights", "not-paying"])
 def test_a_bucket_goes_whole_when_its_patches_do_not_pay(case: str) -> None:
-    """The estimate said delta, but this bucket changed more than it said: it goes whole (``encode_bucket`` None)."""
+    """The estimate said delta, but this bucket changed more than it said: it goes whole (``encode_in_place``
+    gives no table) and the base's buffer then holds the new version's bytes, as packing writes them."""
     import torch
 
-    from trainer_side.delta_publish import encode_bucket
+    from trainer_side.delta_publish import Buffers, encode_in_place
     from trainer_side.packing import pack_bucket
 
     old = _weights()
@@ -238,10 +256,14 @@ def test_a_bucket_goes_whole_when_its_patches_do_not_pay(case: str) -> None:
     if case == "not-paying":
         _step(new, seed=1, density=0.3)
     base, snap, plan, tensors = _snapshots(old, new)
-    snap.buffers[0] = torch.empty(snap.manifest.bucket_sizes[0], dtype=torch.uint8)
-    snap.sums[0] = tuple(pack_bucket(plan, tensors, 0, snap.buffers[0], checksum="crc32"))
-    assert encode_bucket(base, snap, 0, max_ratio=0.01 if case == "not-paying" else 0.5) is None
-    assert encode_bucket(base, snap, 0, max_ratio=1.0, max_changed=1.0) is not None
+    expected = torch.empty(snap.manifest.bucket_sizes[0], dtype=torch.uint8)
+    expected_sums = tuple(pack_bucket(plan, tensors, 0, expected, checksum="crc32"))
+    kept = base.buffers[0].clone()
+    encoded, sums = encode_in_place(base, plan, tensors, 0, Buffers(), max_ratio=0.01 if case == "not-paying" else 0.5)
+    assert encoded is None and sums == expected_sums and torch.equal(base.buffers[0], expected)
+    base.buffers[0] = kept
+    encoded, sums = encode_in_place(base, plan, tensors, 0, Buffers(), max_ratio=1.0, max_changed=1.0)
+    assert encoded is not None and torch.equal(base.buffers[0], expected)
 
 
 def test_buffers_hand_out_the_smallest_free_buffer_that_fits() -> None:
@@ -316,6 +338,119 @@ def test_base_store_takes_each_bucket_in_place_and_is_in_flux_until_commit() -> 
         assert store.version == 2 and store.sums == {"model.a": 7, "model.b": 8}
     finally:
         seg.close()
+
+
+def _store_with_version(tensors: dict[str, Any], version: int) -> tuple[Any, wire.Manifest, list[Any], Any]:
+    """A base store that adopted ``tensors`` (bf16, two buckets) as applied ``version``: store, manifest,
+    the tensors' specs, and the receive pool."""
+    import numpy as np
+
+    from bridge.shm import SegmentPool
+    from inference_side.contract import StagedBucket
+    from inference_side.delta_base import BaseStore
+    from trainer_side.packing import make_plan, pack_bucket, plan_specs
+
+    plan, ts = make_plan(list(tensors.items()), "bfloat16", 1 << 14)
+    assert len(plan.bucket_sizes) >= 2
+    m = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes, checksum="xxh3")
+    pool = SegmentPool("test-store")
+    pool.trim(1 << 30)
+    buckets = []
+    for index, size in enumerate(m.bucket_sizes):
+        import torch
+
+        seg = pool.take(size)
+        packed = torch.empty(size, dtype=torch.uint8)
+        sums = tuple(pack_bucket(plan, ts, index, packed, checksum="xxh3"))
+        np.frombuffer(seg.buffer, dtype=np.uint8)[:] = packed.numpy()
+        buckets.append(StagedBucket(index, seg, list(m.by_bucket()[index]), sums))
+    store = BaseStore("engine-x")
+    assert store.adopt(m, buckets, b"pub", pool) == set(range(len(buckets))), "receive segments taken over, not copied"
+    return store, m, buckets, pool
+
+
+def _patches(store: Any, m: wire.Manifest, new: dict[str, Any], version: int) -> tuple[wire.Manifest, list[Any]]:
+    """The delta of ``new`` against what ``store`` holds: its manifest and, per bucket, (table, wire bucket)."""
+    import numpy as np
+
+    from bridge.delta import encode_bytes
+    from bridge.shm import Segment
+    from inference_side.contract import StagedBucket
+
+    dm = replace(m, version=version, delta=DeltaManifest(m.version, tuple(store.sums[t.name] for t in m.tensors)))
+    out = []
+    for index in range(len(m.bucket_sizes)):
+        entries, payloads, offset = [], [], 0
+        for spec_ in m.by_bucket()[index]:
+            old = store.tensors[spec_.name]
+            d = encode_bytes(old, np.frombuffer(_raw(new[spec_.name]), dtype=np.uint8), name=spec_.name, dtype=spec_.dtype,
+                             shape=spec_.shape, base_version=m.version, checksum="xxh3", base_checksum=store.sums[spec_.name])
+            entries.append(DeltaEntry(offset, d.spec.nbytes, d.spec.result_checksum, d.spec))
+            payloads.append((offset, bytes(d.payload)))
+            offset = (offset + d.spec.nbytes + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
+        table = BucketDelta(max(offset, wire.ALIGN), tuple(entries))
+        seg = Segment.create("test-wire", table.size)
+        view = np.frombuffer(seg.buffer, dtype=np.uint8)
+        for at, data in payloads:
+            view[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        out.append((table, StagedBucket(index, seg, table.wire_specs(dm, index), ())))
+    return dm, out
+
+
+def test_base_store_patches_its_own_buckets_and_a_failed_delta_leaves_the_base_bit_identical() -> None:
+    """Staged mode: the store adopts the applied buckets (no copy); a delta is patched in place into them, and
+    the engine loads those very segments. A delta whose second bucket is corrupt is refused (CorruptPatch)
+    and, rolled back, leaves every byte of the base as it was; the next delta then applies and is adopted."""
+    import numpy as np
+    import torch
+
+    from bridge.errors import CorruptPatch, NonFiniteError
+
+    v1 = {f"model.layers.{i}.mlp.down_proj.weight": (0.02 * torch.randn(64, 96, generator=torch.Generator().manual_seed(i))).bfloat16()
+          for i in range(3)}
+    store, m, buckets, pool = _store_with_version(v1, 1)
+    try:
+        held = {name: bytes(t) for name, t in store.tensors.items()}
+        assert held == {k: _raw(v) for k, v in v1.items()} and store.version == 1
+        v2 = {k: v.clone() for k, v in v1.items()}
+        _step(v2, seed=2)
+        dm, parts = _patches(store, m, v2, 2)
+        assert store.can_patch(dm, b"pub")
+        (table0, wire0), (table1, wire1) = parts[0], parts[1]
+        first = store.patch(dm, table0, 0, wire0, b"pub", "reject")
+        assert first.segment is buckets[0].segment, "patched in the held segment itself"
+        assert store.can_patch(dm, b"pub") and not store.can_patch(dm, b"other")
+        with pytest.raises(WrongBase, match="applying another delta"):
+            store.check(dm)  # another publisher's delta waits for this one to end
+        broken = np.frombuffer(wire1.segment.buffer, dtype=np.uint8)
+        broken[table1.entries[0].offset] ^= 0x10  # a flipped byte in the second bucket's first patch
+        with pytest.raises(CorruptPatch):
+            store.patch(dm, table1, 1, wire1, b"pub", "reject")
+        store.rollback()
+        assert {name: bytes(t) for name, t in store.tensors.items()} == held, "the base, bit for bit"
+        assert store.version == 1 and store.patching is None
+        broken[table1.entries[0].offset] ^= 0x10
+        staged = [store.patch(dm, table, i, w, b"pub", "reject") for i, (table, w) in enumerate(parts)]
+        assert store.adopt(dm, staged, b"pub", pool) == set(range(len(staged)))
+        assert store.version == 2 and {name: bytes(t) for name, t in store.tensors.items()} == {k: _raw(v) for k, v in v2.items()}
+        assert [b.segment for b in staged] == [b.segment for b in buckets]
+        for _, w in parts:
+            w.segment.close()
+        # under nonfinite: reject a NaN written by a patch is refused (only the written values are checked)
+        v3 = {k: v.clone() for k, v in v2.items()}
+        first_name = m.by_bucket()[0][0].name
+        v3[first_name].view(-1)[5] = float("nan")
+        dm3, parts3 = _patches(store, dm, v3, 3)
+        assert parts3[0][0].entries[0].delta is not None and parts3[0][0].entries[0].delta.encoding == "sparse"
+        with pytest.raises(NonFiniteError, match=first_name):
+            store.patch(dm3, parts3[0][0], 0, parts3[0][1], b"pub", "reject")
+        store.rollback()
+        assert {name: bytes(t) for name, t in store.tensors.items()} == {k: _raw(v) for k, v in v2.items()}
+        for _, w in parts3:
+            w.segment.close()
+    finally:
+        store.clear()
+        pool.close()
 
 
 # ---- end to end with a receiver in this process -----------------------------------------------------------------
@@ -402,24 +537,35 @@ def test_publisher_with_deltas_off_sends_dense_and_keeps_nothing(start_receiver:
 
 
 def test_a_failed_delta_drops_the_base(start_receiver: Any) -> None:
+    """The engine refuses a staged delta after the receiver patched it into its base's own buckets: the publisher
+    drops its base (the next update goes dense), the receiver's base is put back bit for bit (still the last
+    applied version), and the deltas after the dense one apply."""
     from bridge.report import ApplyResult
     from trainer_side import WeightPublisher
 
     refuse = {3}
-    engine = FakeEngine(on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version in refuse else None)
+    engine = FakeEngine(keep="bytes", on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version in refuse else None)
     rx = start_receiver(_config(), engine)
     weights = _weights()
     with WeightPublisher([rx.endpoint], config=_config()) as publisher:
         publisher.publish(weights, version=1)
         _step(weights, seed=1)
         publisher.publish(weights, version=2)
+        served = {k: _raw(v) for k, v in weights.items()}
+        assert rx.bases is not None and rx.bases.segments, "staged: the store holds the applied buckets"
         _step(weights, seed=2)
         with pytest.raises(UpdateFailed):
             publisher.publish(weights, version=3)
         assert publisher.bases is None
+        wait_until(lambda: rx.bases is not None and rx.bases.patching is None, 5, "the failed update's end")
+        assert rx.bases.version == 2 and {k: bytes(v) for k, v in rx.bases.tensors.items()} == served
         _step(weights, seed=3)
         report = publisher.publish(weights, version=4)
-    assert report.delta["mode"] == "dense" and "no base" in report.delta["why"]
+        assert report.delta["mode"] == "dense" and "no base" in report.delta["why"]
+        _step(weights, seed=4)
+        assert publisher.publish(weights, version=5).delta["mode"] == "delta"
+    assert {k: bytes(v) for k, v in engine.received[5].items()} == {k: _raw(v) for k, v in weights.items()}
+    assert rx.bases.version == 5 and {k: bytes(v) for k, v in rx.bases.tensors.items()} == {k: _raw(v) for k, v in weights.items()}
 
 
 def test_the_same_version_again_is_a_checked_noop(start_receiver: Any) -> None:

@@ -8,14 +8,17 @@ One publish with deltas on (``sync.delta: true``):
    and at most ``DELTA_MAX_CHANGED`` of the elements changed, estimated on one element in ``SAMPLE_STRIDE``
    read from the trainer's tensors (cast to the wire dtype) and the base (``plan_update``). The manifest then
    names the base version and each tensor's base checksum, which the engines check at ``Begin``.
-2. **Bucket by bucket**, while the previous one is on the wire: bucket *i* is packed into host memory (the
-   new version, and its checksums); each tensor is encoded against its base (``bridge.delta.encode_bytes``,
-   the checksums passed, not rehashed) and sends its patch when that is smaller than its bytes; the wire
-   bucket (each payload 64-byte aligned, its table of patches in the header) is copied into the plane's
-   buffer. A bucket whose patches would not be at most ``DELTA_MAX_RATIO`` of its bytes (or more than
-   ``DELTA_MAX_CHANGED`` of whose sampled elements changed: the estimate was wrong) goes whole, straight
-   from the packed bytes where the plane can send them without a copy (``SendPlane.borrow``: ZMQ, gloo).
-   The base's bucket *i* is then let go: its buffer takes a later bucket.
+2. **Bucket by bucket**, while the previous one is on the wire (``encode_in_place``): each trainer tensor of
+   bucket *i* is compared with its base (``bridge.delta.changed_positions``: the changed elements and the new
+   checksum in one read of each, over two threads) and encoded from those positions
+   (``bridge.delta.encode_bytes``, the checksums passed, not rehashed); it sends its patch when that is
+   smaller than its bytes. The base's bucket is then **patched in place** (the changed elements written), so
+   it holds the new version without a copy of the model (tensors not CPU, contiguous and in the wire dtype
+   are packed into a scratch buffer first and compared from there). The wire bucket (each payload 64-byte
+   aligned, its table of patches in the header) is copied into the plane's buffer. A bucket whose patches
+   would not be at most ``DELTA_MAX_RATIO`` of its bytes (or more than ``DELTA_MAX_CHANGED`` of whose
+   elements changed: the estimate was wrong) is copied whole into the base's buffer and goes whole, straight
+   from there where the plane can send it without a copy (``SendPlane.borrow``: ZMQ, gloo).
 3. An engine that does not serve the base refuses the delta with kind ``base`` before any payload, and is
    then sent the same version dense from the packed bytes (``EngineReport.dense_fallback`` names why).
 4. Once every engine applied the version, its packed bytes are the next base; a failure anywhere drops the
@@ -26,8 +29,9 @@ becomes the next base (reusing the old base's buffers) and sends it from there: 
 dense path with ZMQ and gloo, one copy into the segment with shm.
 
 Memory: **one model of host RAM in the wire dtype** (``Manifest.total_bytes``; ``base_bytes``), during a
-publish too, since new bucket *i* replaces old bucket *i* as it is packed, plus the buckets in flight (the
-plane's buffers, as for a dense update) and one bucket's worth of encoded patches and spare buffer. On a GPU
+publish too, since bucket *i* of the base becomes bucket *i* of the new version in place, plus the buckets in
+flight (the plane's buffers, as for a dense update) and one bucket's worth of encoded patches (and of scratch,
+where tensors need packing first). On a GPU
 trainer the bases are in host memory already: packing copies each tensor to the host.
 """
 
@@ -39,11 +43,18 @@ from typing import TYPE_CHECKING, Any
 
 from bridge import checksums, wire
 from bridge.config import BridgeConfig
-from bridge.delta import BucketDelta, DeltaEntry, DeltaManifest, encode_bytes, update_telemetry
+from bridge.delta import (
+    BucketDelta,
+    DeltaEntry,
+    DeltaManifest,
+    changed_positions,
+    encode_bytes,
+    update_telemetry,
+)
 from bridge.report import FailureKind
 from bridge.sender import PublishReport, UpdateSender
 from bridge.transports.base import OutgoingBucket, SendPlane
-from trainer_side.packing import PackPlan, pack_bucket
+from trainer_side.packing import PackPlan, dtype_name, materialize, pack_bucket
 
 if TYPE_CHECKING:
     import numpy as np
@@ -54,7 +65,10 @@ DELTA_MAX_RATIO = 0.5
 # above this share of changed elements (over the whole update, and then per bucket) nothing is encoded: a new
 # model, or random weights; checked on a sample before spending the compression
 DELTA_MAX_CHANGED = 0.5
-SAMPLE_STRIDE = 61  # elements compared for that check: one in 61 (prime: no alignment with rows of a power of 2)
+# elements compared for that check: one in 1021 (prime: no alignment with rows of a power of 2; sparse enough to
+# touch one cache line in 32 of a bf16 tensor, where one in 61 read every other line, about a full pass; each
+# bucket then counts its changed elements exactly)
+SAMPLE_STRIDE = 1021
 
 
 @dataclass
@@ -149,48 +163,93 @@ def _align(n: int) -> int:
     return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
 
 
-def encode_bucket(base: Snapshot, new: Snapshot, index: int, max_ratio: float = DELTA_MAX_RATIO,
-                  max_changed: float = DELTA_MAX_CHANGED) -> tuple[BucketDelta, list[tuple[int, Any]], tuple[int, ...]] | None:
-    """Full bucket ``index`` of ``new`` (packed) as patches against the same bucket of ``base``: its table, its
-    payloads (offset, bytes) and their checksums (what the header carries); None when it goes whole (more
-    than ``max_changed`` of its sampled elements changed, or the patches would be above ``max_ratio`` of its
-    bytes). A tensor sends its patch when that is smaller than its bytes, else its bytes."""
-    import numpy as np
+def _raw(tensor: Any, dtype: str) -> np.ndarray | None:
+    """The bytes of a trainer's tensor as they go on the wire (flat uint8, a view), or None when it needs packing
+    first (another dtype: a cast; strided; not on the CPU; a DTensor)."""
+    import torch
 
-    manifest = new.manifest
+    src = materialize(tensor)
+    if src.device.type != "cpu" or dtype_name(src.dtype) != dtype or not src.is_contiguous():
+        return None
+    try:
+        raw: np.ndarray = src.reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return raw
+
+
+def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: int, buffers: Buffers,
+                    max_ratio: float = DELTA_MAX_RATIO, max_changed: float = DELTA_MAX_CHANGED,
+                    encode: bool = True) -> tuple[tuple[BucketDelta, list[tuple[int, Any]], tuple[int, ...]] | None, tuple[int, ...]]:
+    """Full bucket ``index`` of the trainer's ``tensors`` (layout ``plan``, that of ``base``) encoded against
+    ``base``'s bucket, which is **patched in place** into the new version's bytes: the changed elements written
+    during the compare itself. Returns (its table, its payloads (offset, bytes)
+    and their checksums; None when it goes whole: more than ``max_changed`` of its elements changed, the
+    patches above ``max_ratio`` of its bytes, or ``encode`` false) and the new tensors' checksums.
+
+    One read of the base and of the trainer's tensors (``changed_positions``: the compare and the new checksum
+    in one pass over two threads) where the tensors are CPU, contiguous and in the wire dtype; others are
+    packed first into a buffer from ``buffers`` (cast as packing casts) and compared from there. A tensor sends
+    its patch when that is smaller than its bytes, else its bytes."""
+    manifest = base.manifest
+    algorithm = manifest.checksum
+    buffer = base.buffers[index]
+    if not encode:  # whole: the new version straight into the base's buffer
+        return None, tuple(pack_bucket(plan, tensors, index, buffer, checksum=algorithm))
+    held = buffer.numpy()
+    members = plan.bucket_members(index)
     specs = manifest.by_bucket()[index]
-    old_buf, new_buf = base.buffers[index].numpy(), new.buffers[index].numpy()
+    raws = [_raw(tensors[i], plan.dtypes[i]) for i in members]
+    scratch, packed = None, None
+    if any(r is None for r in raws):
+        scratch = buffers.take(int(buffer.numel()))
+        packed = pack_bucket(plan, tensors, index, scratch, checksum=algorithm)
+        news = [scratch.numpy()[s.offset:s.offset + s.nbytes] for s in specs]
+    else:
+        news = [r for r in raws if r is not None]
+    olds = [held[s.offset:s.offset + s.nbytes] for s in specs]
+    found: list[tuple[np.ndarray, np.ndarray]] = []
+    sums: list[int] = []
     numel = changed = 0
-    for spec in specs:
+    for k, (spec, old, new) in enumerate(zip(specs, olds, news, strict=True)):
+        assert spec.name == plan.names[members[k]]
         width = wire.DTYPE_SIZES[spec.dtype]
-        old_bits = old_buf[spec.offset:spec.offset + spec.nbytes].view(f"<u{width}")[::SAMPLE_STRIDE]
-        changed += int(np.count_nonzero(old_bits != new_buf[spec.offset:spec.offset + spec.nbytes].view(f"<u{width}")[::SAMPLE_STRIDE]))
-        numel += old_bits.size
-    if numel and changed > max_changed * numel:
-        return None
-    fn = checksums.function(manifest.checksum)
-    entries, items, sums = [], [], []
-    offset = dense = 0
-    for spec, base_sum, new_sum in zip(specs, base.sums[index], new.sums[index], strict=True):
-        old_bytes, new_bytes = base.tensor(spec), new.tensor(spec)
-        d = encode_bytes(old_bytes, new_bytes, name=spec.name, dtype=spec.dtype, shape=spec.shape,
-                         base_version=base.manifest.version, checksum=manifest.checksum, base_checksum=base_sum,
-                         result_checksum=new_sum)
-        data: Any
-        if d.spec.nbytes < spec.nbytes:
-            entry, data, data_sum = DeltaEntry(offset, d.spec.nbytes, new_sum, d.spec), d.payload, fn(d.payload)
+        # the base is patched into the new version in the same pass: it ends as the new version either way
+        positions, values, total = changed_positions(old, new, width, None if packed is not None else algorithm, patch=True)
+        found.append((positions, values))
+        if packed is not None:
+            sums.append(packed[k])
         else:
-            entry, data, data_sum = DeltaEntry(offset, spec.nbytes, new_sum), new_bytes, new_sum
-        entries.append(entry)
-        items.append((offset, data))
-        sums.append(data_sum)
-        dense += spec.nbytes
-        offset = _align(offset + entry.nbytes)
-    wire_bytes = sum(e.nbytes for e in entries)
-    if dense and wire_bytes > max_ratio * dense:
-        return None
-    size = min(max(offset, wire.ALIGN), manifest.bucket_sizes[index])
-    return BucketDelta(size, tuple(entries)), items, tuple(sums)
+            assert total is not None
+            sums.append(total)
+        numel += spec.nbytes // width
+        changed += int(positions.size)
+    result = None
+    if not numel or changed <= max_changed * numel:
+        fn = checksums.function(algorithm)
+        entries, items, wire_sums = [], [], []
+        offset = dense = 0
+        for spec, old, new, (positions, values), base_sum, new_sum in zip(specs, olds, news, found, base.sums[index], sums,
+                                                                            strict=True):
+            d = encode_bytes(old, new, name=spec.name, dtype=spec.dtype, shape=spec.shape, base_version=manifest.version,
+                             checksum=algorithm, base_checksum=base_sum, result_checksum=new_sum, positions=positions,
+                             values=values)
+            data: Any
+            if d.spec.nbytes < spec.nbytes:
+                entry, data, data_sum = DeltaEntry(offset, d.spec.nbytes, new_sum, d.spec), d.payload, fn(d.payload)
+            else:  # its bytes: the base's (patched into them already)
+                entry, data, data_sum = DeltaEntry(offset, spec.nbytes, new_sum), old, new_sum
+            entries.append(entry)
+            items.append((offset, data))
+            wire_sums.append(data_sum)
+            dense += spec.nbytes
+            offset = _align(offset + entry.nbytes)
+        if not dense or sum(e.nbytes for e in entries) <= max_ratio * dense:
+            size = min(max(offset, wire.ALIGN), manifest.bucket_sizes[index])
+            result = BucketDelta(size, tuple(entries)), items, tuple(wire_sums)
+    if scratch is not None:
+        buffers.give(scratch)
+    return result, tuple(sums)
 
 
 class DeltaSender(UpdateSender):
@@ -235,28 +294,26 @@ class DeltaSender(UpdateSender):
         assert base is not None
         tables: list[BucketDelta | None] = [None] * len(manifest.bucket_sizes)
         timing = {"encode": 0.0}
-        buffers = Buffers()
+        buffers = Buffers()  # scratch for buckets that need packing before the compare (a cast, a GPU tensor)
 
         def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
-            buffer = buffers.take(size)
-            new.buffers[index] = buffer
-            new.sums[index] = tuple(pack_bucket(plan, tensors, index, buffer, checksum=manifest.checksum))
             t_enc = time.perf_counter()
-            encoded = encode_bucket(base, new, index) if self._active() else None
+            encoded, sums = encode_in_place(base, plan, tensors, index, buffers, encode=self._active())
             timing["encode"] += time.perf_counter() - t_enc
-            buffers.give(base.buffers[index])  # the old bucket is not needed any more: it takes a later one
+            new.buffers[index], new.sums[index] = base.buffers[index], sums  # patched: the new version's bytes
             base.buffers[index] = None
             if encoded is None:
-                return _send_whole(plane, index, buffer), new.sums[index]
-            table, items, sums = encoded
+                return _send_whole(plane, index, new.buffers[index]), sums
+            table, items, wire_sums = encoded
             tables[index] = table
             out = plane.allocate(index, table.size)
             view = out.numpy()
             for offset, data in items:
                 raw = data if not isinstance(data, bytes | bytearray | memoryview) else memoryview(data)
                 view[offset:offset + len(raw)] = raw
-            return replace(plane.seal(index, out), delta=table), sums
+            return replace(plane.seal(index, out), delta=table), wire_sums
 
+        # taken before any bucket is patched: the base's checksums, which the engines check at Begin
         delta_manifest = replace(manifest, delta=DeltaManifest(base.manifest.version, tuple(base.checksums()[t.name] for t in manifest.tensors)))
         report = self._stream_report(delta_manifest, plane, produce, t_start)
         refused = {e.endpoint: e.reason for e in report.engines if e.kind == FailureKind.BASE}
