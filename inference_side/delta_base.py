@@ -152,10 +152,19 @@ class BaseStore:
             if segment is not held:
                 if not segment.owner:  # the publisher's: copied into a segment of ours
                     own = held if held is not None and held.size >= segment.size else pool.take(segment.size)
-                    np.frombuffer(own.buffer, dtype=np.uint8)[:segment.size] = np.frombuffer(segment.buffer, dtype=np.uint8)[:segment.size]
-                    segment = own
                     if held is not None and held is not own:
                         pool.give(held)
+                    self.segments[bucket.index] = own  # held from here on, so a failed copy gives it back (clear)
+                    try:
+                        np.frombuffer(own.buffer, dtype=np.uint8)[:segment.size] = np.frombuffer(segment.buffer, dtype=np.uint8)[:segment.size]
+                    except (ValueError, OSError) as exc:  # the publisher's segment went away (it or this receiver closing)
+                        logger.warning("version %d: bucket %d could not be kept as the delta base (%s); keeping no base",
+                                       manifest.version, bucket.index, exc)
+                        staged = {id(b.segment) for b in buckets}  # this update's own segments: it frees them
+                        self.segments = {i: s for i, s in self.segments.items() if id(s) not in staged}
+                        self.clear(pool)
+                        return set()
+                    segment = own
                 else:
                     kept.add(bucket.index)
                     if held is not None:
