@@ -19,7 +19,8 @@ segment, also checks each base tensor's bytes again: it serves a relay's store, 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from bridge import wire
 from bridge.delta import BucketDelta, DeltaTensor, apply_bytes, patch_in_place, undo_patches
@@ -85,20 +86,10 @@ class BaseStore:
 
         self.patching = identity
         specs = manifest.by_bucket()[index]
-        entries = dict(zip((t.name for t in specs), delta.entries, strict=True))
         segment = self.segments[index]
-        out = np.frombuffer(segment.buffer, dtype=np.uint8)
-        source = np.frombuffer(wire_bucket.segment.buffer, dtype=np.uint8)
-        sent = dict(zip((s.name for s in wire_bucket.specs), wire_bucket.checksums, strict=False))
         sums = []
-        for spec in specs:
-            entry = entries[spec.name]
-            payload = source[entry.offset:entry.offset + entry.nbytes]
-            target = out[spec.offset:spec.offset + spec.nbytes]
+        for spec, entry, payload, target in _pieces(specs, delta, segment, wire_bucket):
             if entry.delta is None:  # sent whole: its payload was verified against the header, and checked finite
-                if spec.name in sent and sent[spec.name] != entry.checksum:
-                    raise ChecksumError(f"tensor {spec.name}: its bucket's checksum {sent[spec.name]:#x} differs from the "
-                                        f"delta entry's {entry.checksum:#x}")
                 self.undo.append((target, None, target.copy()))
                 target[:] = payload
             else:
@@ -260,6 +251,25 @@ class BaseStore:
                                 f"{expected:#x}, {self.engine} served {held:#x}")
 
 
+def _pieces(specs: list[wire.TensorSpec], delta: BucketDelta, segment: Segment,
+            wire_bucket: StagedBucket) -> Iterator[tuple[wire.TensorSpec, Any, Any, Any]]:
+    """For each tensor of a full bucket: its spec, its delta entry, its payload in ``wire_bucket`` and its place
+    in ``segment`` (flat ``uint8`` views). A tensor sent whole must carry its entry's checksum in the wire
+    bucket's header (``ChecksumError`` otherwise), checked before it is yielded."""
+    import numpy as np
+
+    entries = dict(zip((t.name for t in specs), delta.entries, strict=True))
+    out = np.frombuffer(segment.buffer, dtype=np.uint8)
+    source = np.frombuffer(wire_bucket.segment.buffer, dtype=np.uint8)
+    sent = dict(zip((s.name for s in wire_bucket.specs), wire_bucket.checksums, strict=False))
+    for spec in specs:
+        entry = entries[spec.name]
+        if entry.delta is None and spec.name in sent and sent[spec.name] != entry.checksum:
+            raise ChecksumError(f"tensor {spec.name}: its bucket's checksum {sent[spec.name]:#x} differs from the "
+                                f"delta entry's {entry.checksum:#x}")
+        yield (spec, entry, source[entry.offset:entry.offset + entry.nbytes], out[spec.offset:spec.offset + spec.nbytes])
+
+
 def rebuild(manifest: wire.Manifest, delta: BucketDelta, index: int, wire_bucket: StagedBucket, store: BaseStore,
             pool: SegmentPool, nonfinite: str) -> StagedBucket:
     """Full bucket ``index`` of ``manifest`` rebuilt into a segment from ``pool``: each patch applied to the
@@ -269,24 +279,12 @@ def rebuild(manifest: wire.Manifest, delta: BucketDelta, index: int, wire_bucket
     wire bucket (verified already: its payload checksums) is only read. Raises the
     delta codec's errors (``WrongBase``, ``CorruptPatch``, ``ManifestError``) or ``NonFiniteError``; the new
     segment is closed then. A dense tensor's header checksum must equal its entry's (``ChecksumError``)."""
-    import numpy as np
-
     specs = manifest.by_bucket()[index]
-    entries = dict(zip((t.name for t in specs), delta.entries, strict=True))
     segment = pool.take(manifest.bucket_sizes[index])
     try:
-        out = np.frombuffer(segment.buffer, dtype=np.uint8)
-        source = np.frombuffer(wire_bucket.segment.buffer, dtype=np.uint8)
-        sent = dict(zip((s.name for s in wire_bucket.specs), wire_bucket.checksums, strict=False))
         sums = []
-        for spec in specs:
-            entry = entries[spec.name]
-            payload = source[entry.offset:entry.offset + entry.nbytes]
-            target = out[spec.offset:spec.offset + spec.nbytes]
+        for spec, entry, payload, target in _pieces(specs, delta, segment, wire_bucket):
             if entry.delta is None:
-                if spec.name in sent and sent[spec.name] != entry.checksum:
-                    raise ChecksumError(f"tensor {spec.name}: its bucket's checksum {sent[spec.name]:#x} differs from the "
-                                        f"delta entry's {entry.checksum:#x}")
                 target[:] = payload
             else:
                 base = store.tensors.get(spec.name)
