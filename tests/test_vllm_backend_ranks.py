@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, assert_same_outputs, child_env, oracle, vllm_serve
+from tests.helpers import ROOT, assert_same_outputs, child_env, free_port_in, oracle, vllm_serve
 from tests.ranks import full_weights
 
 pytestmark = pytest.mark.engine
@@ -27,19 +27,13 @@ PORTS = range(46200, 46300)  # this module's: the server, the workers' receivers
 
 
 def _free_ports(n: int) -> list[int]:
-    import socket
-
     found: list[int] = []
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+    while len(found) < n:
+        port = free_port_in(range(found[-1] + 1 if found else PORTS.start, PORTS.stop))
+        if port is None:
+            raise AssertionError(f"fewer than {n} free ports in {PORTS.start}-{PORTS.stop - 1}")
         found.append(port)
-        if len(found) == n:
-            return found
-    raise AssertionError(f"fewer than {n} free ports in {PORTS.start}-{PORTS.stop - 1}")
+    return found
 
 
 @pytest.fixture(scope="module")
