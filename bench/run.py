@@ -44,7 +44,7 @@ from bench.report import (
 )
 from bridge import wire
 from bridge.report import ApplyResult, LoadResult
-from inference_side.contract import EngineGate, StagedBucket
+from inference_side.contract import EngineGate, Restore, StagedBucket
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -464,7 +464,7 @@ class NullGate(EngineGate):
     def validate(self, manifest: wire.Manifest) -> str | None:
         return None
 
-    def begin(self, manifest: wire.Manifest) -> None:
+    def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
         pass
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:

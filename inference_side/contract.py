@@ -4,7 +4,8 @@ One lifecycle for every update, staged or streaming::
 
     info()                      # on Hello: what the engine serves and takes
     validate(manifest)          # on Begin: raise if it cannot be taken; a reason string if already served
-    begin(manifest)             # the update opens (streaming: at Begin; staged: once every bucket is verified)
+    begin(manifest, restore)    # the update opens (streaming, and a delta the receiver patches in its base store
+                                #   when the gate ``restores``: at Begin; staged: once every bucket is verified)
     load(manifest, bucket)      # each verified bucket, in index order
     finish(manifest, timings)   # every bucket was loaded: apply, audit, answer
     abort(manifest, reason)     # instead of finish, when the update is abandoned
@@ -13,12 +14,18 @@ One lifecycle for every update, staged or streaming::
 in this order; ``load`` may report a failure, after which the receiver calls ``finish`` (which reports
 that failure) or ``abort``. A staged update makes the same calls as a streaming one, only later: the
 receiver first holds and verifies every bucket, so nothing reaches the engine unless all of it arrived
-intact. No call keeps a lock held when it returns; an engine keeps its own state between calls.
+intact. One exception keeps staged mode's "old or new" by another means: a delta update the receiver patches
+in place in its own copy of the served version (inference_side/delta_base.py) is loaded bucket by bucket as
+each is verified, but only into a gate that ``restores``: ``begin`` then gets ``restore``, which gives the
+served version's full buckets back (the copy, rolled back), and a gate whose update fails or is aborted
+after loading began loads those before it answers, so the engine serves the version it served before.
+No call keeps a lock held when it returns; an engine keeps its own state between calls.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +33,7 @@ from bridge import wire
 from bridge.report import ApplyResult, LoadResult
 from bridge.shm import Segment
 
-__all__ = ["ApplyResult", "EngineGate", "LoadResult", "StagedBucket"]
+__all__ = ["ApplyResult", "EngineGate", "LoadResult", "Restore", "StagedBucket"]
 
 
 @dataclass
@@ -44,9 +51,18 @@ class StagedBucket:
                 "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.specs]}
 
 
+Restore = Callable[[], list["StagedBucket"]]
+"""The served version's full buckets, for a gate to load back after a failed update that had begun loading
+(every tensor of the model, verified when they were applied; the receiver's delta base rolled back)."""
+
+
 class EngineGate(ABC):
     """What a receiver drives. Implementations: ``InferenceServer`` (a vLLM engine), ``RelayGate`` (a host
     relay that forwards to local engines), and the tests' ``FakeEngine``."""
+
+    #: True: ``begin`` honours ``restore`` (see the module's docstring); the receiver loads a delta patched in
+    #: its base store before the last bucket arrived only into such a gate
+    restores: bool = False
 
     @abstractmethod
     def info(self) -> wire.EngineInfo:
@@ -58,8 +74,10 @@ class EngineGate(ABC):
         reason when ``manifest.version`` is already served (the update is then a no-op), else None."""
 
     @abstractmethod
-    def begin(self, manifest: wire.Manifest) -> None:
-        """Open the update. A problem found here is reported by the next ``load`` or ``finish``."""
+    def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
+        """Open the update. A problem found here is reported by the next ``load`` or ``finish``. ``restore``
+        (only to a gate that ``restores``): should the update fail or be aborted once a bucket was loaded, load
+        ``restore()``'s buckets (the served version) before answering, and say so in the reason."""
 
     @abstractmethod
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:

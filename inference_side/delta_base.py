@@ -19,6 +19,7 @@ segment, also checks each base tensor's bytes again: it serves a relay's store, 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,9 @@ class BaseStore:
         self.patching: bytes | None = None  # the update patching ``segments`` in place (``patch``) until it ends
         self.undo: list[object] = []  # what that update overwrote (``bridge.delta.undo_patches``)
         self.stale = False  # another update was applied while one patched: no base once that one ends
+        # ``patch`` (the receiver's thread) and ``rollback`` (also the engine's apply thread, restoring a failed
+        # update loaded bucket by bucket) take turns
+        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +86,11 @@ class BaseStore:
         bit for bit (a failed or abandoned update), ``adopt`` keeps the result. Raises as ``rebuild`` does;
         this bucket's own writes are undone then too (by ``rollback``, which the failed update's end calls).
         The returned bucket's segment is the store's: the update must not free it."""
+        with self._lock:
+            return self._patch(manifest, delta, index, wire_bucket, identity, nonfinite)
+
+    def _patch(self, manifest: wire.Manifest, delta: BucketDelta, index: int, wire_bucket: StagedBucket, identity: bytes,
+               nonfinite: str) -> StagedBucket:
         import numpy as np
 
         self.patching = identity
@@ -104,11 +113,25 @@ class BaseStore:
 
     def rollback(self) -> None:
         """The update that patched the held segments failed or was abandoned: put back every byte it wrote.
-        The store then holds its version again, bit for bit."""
-        undo_patches(self.undo)
-        self.undo, self.patching = [], None
-        if self.stale:
-            self.clear()
+        The store then holds its version again, bit for bit. Safe to call again, and from any thread."""
+        with self._lock:
+            undo_patches(self.undo)
+            self.undo, self.patching = [], None
+            if self.stale:
+                self.clear()
+
+    def restore(self) -> list[StagedBucket]:
+        """The held version's full buckets, in index order, after ``rollback``: what an engine loads to serve that
+        version again (``EngineGate.begin``'s ``restore``). Empty when nothing is held in buckets."""
+        self.rollback()
+        tensors, sizes = self.layout
+        by_bucket: list[list[wire.TensorSpec]] = [[] for _ in sizes]
+        for spec in tensors:
+            by_bucket[spec.bucket].append(spec)
+        if not self.version or len(self.segments) != len(sizes):
+            return []
+        return [StagedBucket(i, self.segments[i], specs, tuple(self.sums[s.name] for s in specs))
+                for i, specs in enumerate(by_bucket)]
 
     def adopt(self, manifest: wire.Manifest, buckets: list[StagedBucket], identity: bytes, pool: SegmentPool) -> set[int]:
         """Staged mode: the update ``manifest`` was applied from these full buckets (verified); they become the

@@ -69,11 +69,21 @@ def restore(copy: HostCopy, manifest: wire.Manifest, step: Callable[..., list[Ra
     finish, or abort if a step failed. None when restored, else the failure (kind value, reason)."""
     bucket = copy.bucket(manifest)
     try:
-        reports = step("wb_begin", [s.name for s in bucket.specs], router_options)
-        if all(r.ok for r in reports):
-            reports += step("wb_load", bucket.payload())
-        reports += step("wb_finish" if all(r.ok for r in reports) else "wb_abort")
+        return reload_buckets([bucket], step, router_options)
     finally:
         bucket.segment.close()
+
+
+def reload_buckets(buckets: list[StagedBucket], step: Callable[..., list[RankReport]],
+                   router_options: dict[str, bool]) -> tuple[str, str] | None:
+    """Load ``buckets`` (full tensors of a version the engine served) as one update through ``step``: begin with
+    every tensor they hold, load each, finish, or abort if a step failed. None when done, else the failure
+    (kind value, reason)."""
+    reports = step("wb_begin", [s.name for b in buckets for s in b.specs], router_options)
+    for bucket in buckets:
+        if not all(r.ok for r in reports):
+            break
+        reports += step("wb_load", bucket.payload())
+    reports += step("wb_finish" if all(r.ok for r in reports) else "wb_abort")
     failed = first_failure(reports)
     return None if failed is None else (failed[0].value, failed[1])

@@ -25,7 +25,7 @@ from bridge import wire
 from bridge.delta import wire_telemetry
 from bridge.records import SyncRecord
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport
-from inference_side.contract import EngineGate, StagedBucket
+from inference_side.contract import EngineGate, Restore, StagedBucket
 
 EVENTS = ("refused", "timeout", "aborted", "conflict")  # receiver events that end an update unapplied
 
@@ -115,9 +115,13 @@ class RecordingGate(EngineGate):
     def validate(self, manifest: wire.Manifest) -> str | None:
         return self.gate.validate(manifest)
 
-    def begin(self, manifest: wire.Manifest) -> None:
+    @property
+    def restores(self) -> bool:  # type: ignore[override]
+        return self.gate.restores
+
+    def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
         self._started, self._load_s = time.perf_counter(), 0.0
-        self.gate.begin(manifest)
+        self.gate.begin(manifest, restore)
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         t0 = time.perf_counter()

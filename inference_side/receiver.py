@@ -116,9 +116,14 @@ class SyncReceiver:
         return plane
 
     def _open(self, session: Session) -> None:
-        """Streaming: open the update in the engine now; until it finishes, closing the session aborts it."""
+        """Streaming, or a delta loaded early (``_loads_early``): open the update in the engine now; until it
+        finishes, closing the session aborts it."""
         gate, manifest = self.gate, session.manifest
-        self._executor.submit(gate.begin, manifest)
+        if session.early:
+            assert self.bases is not None
+            self._executor.submit(gate.begin, manifest, self.bases.restore)
+        else:
+            self._executor.submit(gate.begin, manifest)
 
         def abort(reason: str) -> None:
             self._executor.submit(gate.abort, manifest, reason)
@@ -133,9 +138,19 @@ class SyncReceiver:
                 break  # finish reports the failure
         return self.gate.finish(manifest, timings)
 
+    def _loads_early(self, session: Session) -> bool:
+        """A staged delta this receiver patches in place in its base store goes to the engine bucket by bucket as
+        each is verified, as a streaming update does, when the engine can put the served version back from that
+        store should the update fail later (``EngineGate.restores``): the store, rolled back, is that version.
+        The engine's load then overlaps the transfer and the patching; the update stays "old or new"."""
+        m = session.manifest
+        return (not session.streaming and m.delta is not None and m.adapter is None and self._keeps_bases
+                and self.bases is not None and self.gate.restores and self.bases.can_patch(m, session.identity))
+
     def _progress(self, sock: Any, session: Session) -> bool:
         """Streaming: credit back every bucket loaded so far, in order, and free its staging; on a failed
-        load, refuse the update. True when the session was ended."""
+        load, refuse the update (a delta loaded early: its buckets stay staged, their credits went back when
+        they were). True when the session was ended."""
         while session.loads and session.loads[0][1].done():
             index, fut = session.loads.pop(0)
             try:
@@ -147,6 +162,9 @@ class SyncReceiver:
             if result.error:
                 self._fail(sock, session.identity, session.manifest.version, result.kind or FailureKind.OTHER, result.error)
                 return True
+            if session.early:  # the base store's bucket (or a receive segment it adopts once applied)
+                session.loaded.add(index)
+                continue
             bucket = session.buckets.pop(index, None)
             if bucket is not None:
                 if bucket.segment.owner:
@@ -357,7 +375,8 @@ class SyncReceiver:
         self._pool.trim(sum(manifest.bucket_sizes) if self.config.sync.keep_receive_buffers else 0)
         session = self._sessions[identity] = Session(identity, manifest, started=now, last_seen=now,
                                                      streaming=self.config.sync.mode == "streaming")
-        if session.streaming:
+        session.early = self._loads_early(session)
+        if session.streaming or session.early:
             self._open(session)
         self._send(sock, identity, wire.Credit(version=manifest.version, n=self.config.transport.depth))
 
@@ -468,9 +487,10 @@ class SyncReceiver:
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
         if self.bases is not None and self._keeps_bases and m.adapter is None and session.streaming:
             session.kept.update(self.bases.take(session.buckets[index]))  # the next delta's base, committed once applied
-        if session.streaming:
+        if session.streaming or session.early:
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
-            return
+            if session.streaming:
+                return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
 
     def _landed(self, sock: Any, landed: Landed) -> None:
@@ -521,7 +541,7 @@ class SyncReceiver:
             session.manifest = replace(m, delta=replace(m.delta, buckets=tuple(session.deltas.get(i) for i in range(len(m.bucket_sizes)))))
         buckets = [session.buckets[i] for i in sorted(session.buckets)]
         session.apply_started = time.monotonic()
-        if session.streaming:
+        if session.streaming or session.early:
             session.on_abort = None  # from here on the finish (or its failure) ends the engine's update
             session.pending = self._executor.submit(self.gate.finish, session.manifest, session.timings)
             return

@@ -43,7 +43,7 @@ from bridge.curve import server_curve
 from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, FleetError, TransportError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, describe, kind_of
 from bridge.sender import PublishReport, UpdateSender
-from inference_side.contract import EngineGate, StagedBucket
+from inference_side.contract import EngineGate, Restore, StagedBucket
 from inference_side.delta_base import BaseStore
 from inference_side.receiver import SyncReceiver
 from inference_side.server import resolve_config
@@ -140,7 +140,7 @@ class RelayGate(EngineGate):
     def validate(self, manifest: wire.Manifest) -> str | None:
         return None
 
-    def begin(self, manifest: wire.Manifest) -> None:
+    def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
         with self._members:  # an engine joining or leaving finishes first (bounded by its own deadlines)
             self._members.wait_for(lambda: not self._changing, timeout=self.config.deadlines.ack_s)
             forward = self._open = _Forward(manifest.version)

@@ -26,10 +26,10 @@ from bridge import wire
 from bridge.checkpoint import ModelSpec, read_tensor_table
 from bridge.config import BridgeConfig, config_from_dict, load_config
 from bridge.errors import BridgeError, ConfigError, DeadlineExceeded, ManifestError, NotReady
-from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure
+from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, describe, first_failure, kind_of
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
-from inference_side.contract import EngineGate, StagedBucket
+from inference_side.contract import EngineGate, Restore, StagedBucket
 from inference_side.ledger import Ledger, sync_record
 from inference_side.lora import ServedAdapter, bucket_tensors, validate_adapter, write_peft_dir
 from inference_side.lora_audit import pack_tensors, readback_rank, readback_summary
@@ -80,9 +80,11 @@ class _Update:
     ranks: list[RankReport] = field(default_factory=list)
     load_s: float = 0.0
     adapter: dict[str, Any] | None = None  # an adapter update: its tensors as they arrive (nothing reaches the workers)
+    restore: Restore | None = None  # the served version's buckets, should the update fail once loading began
 
 
 class InferenceServer(EngineGate):
+    restores = True  # a failed update that began loading is rolled back from the receiver's delta base when given
     def __init__(self, model: str | ModelSpec, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  config: BridgeConfig | dict[str, Any] | str | None = None, name: str | None = None,
                  join: Any = None, join_timeout_s: float = 600.0, **llm_kwargs: Any) -> None:
@@ -317,11 +319,11 @@ class InferenceServer(EngineGate):
             return validate_adapter(manifest, self.table, self.max_lora_rank, self.adapter_version(manifest.adapter.name))
         return validate_manifest(manifest, self.table, self.dtype, self._version, self._degraded or self._unverified)
 
-    def begin(self, manifest: wire.Manifest) -> None:
+    def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
         with self._engine:
             if self._update is not None:  # an update the receiver never closed (it always does): end it first
                 self._close(self._update, (FailureKind.ABORTED, "superseded by a newer update"))
-            update = self._update = _Update(manifest, time.perf_counter())
+            update = self._update = _Update(manifest, time.perf_counter(), restore=restore)
             if manifest.adapter is not None:
                 update.adapter = {}
                 served = self.adapter_version(manifest.adapter.name)
@@ -516,8 +518,9 @@ class InferenceServer(EngineGate):
             update.failure = failed
 
     def _close(self, update: _Update, failure: tuple[FailureKind, str]) -> str:
-        """End a failed update: the workers' reload is closed (kernel tensors back in place), then the host copy
-        restored or the engine marked degraded if loading had begun. Returns the reason, with what became of
+        """End a failed update: the workers' reload is closed (kernel tensors back in place), then, if loading had
+        begun, the served version restored (from the update's ``restore``, else the host copy) or the engine
+        marked degraded. Returns the reason, with what became of
         the engine."""
         reason = failure[1]
         try:
@@ -526,14 +529,15 @@ class InferenceServer(EngineGate):
             self._rpc("wb_abort")
             if not update.loaded:  # the reload was opened and closed again: the served weights are untouched
                 return reason
-            restored = self._restore(update.manifest) if self._host_copy is not None else None
+            source = "the receiver's delta base" if update.restore is not None else "the host copy"
+            restored = self._restore(update) if update.restore is not None or self._host_copy is not None else None
             if restored:
-                reason += f" (rolled back from the host copy: the engine serves version {self._version})"
+                reason += f" (rolled back from {source}: the engine serves version {self._version})"
             else:
                 mode = "streaming update" if self.config.sync.mode == "streaming" else "update"
                 self._degraded = f"{mode} to v{update.manifest.version} failed after loading began: {reason}"
                 if restored is not None:
-                    reason += " (restoring the host copy failed too: the engine is degraded)"
+                    reason += f" (restoring {source} failed too: the engine is degraded)"
                 logger.warning("%s: %s", self.name, self._degraded)
             self.llm.reset_prefix_cache()
             return reason
@@ -546,15 +550,25 @@ class InferenceServer(EngineGate):
             self._update = None
             self._engine.notify_all()
 
-    def _restore(self, manifest: wire.Manifest) -> bool:
-        """Reload, on every rank, the host copy of each tensor the failed update may have overwritten."""
-        from inference_side.host_copy import restore
+    def _restore(self, update: _Update) -> bool:
+        """Reload, on every rank, the served version: the buckets ``update.restore`` gives (every tensor), else
+        the host copy of each tensor the failed update may have overwritten."""
+        from inference_side.host_copy import reload_buckets, restore
 
-        failed = restore(self._host_copy, manifest, self._rpc, self.config.router.worker_options())
+        options = self.config.router.worker_options()
+        try:
+            if update.restore is not None:
+                buckets = update.restore()
+                failed = reload_buckets(buckets, self._rpc, options) if buckets else \
+                    (FailureKind.OTHER.value, "the receiver's delta base holds no version to restore")
+            else:
+                failed = restore(self._host_copy, update.manifest, self._rpc, options)
+        except BridgeError as exc:
+            failed = (kind_of(exc).value, describe(exc))
         if failed is not None:
-            logger.error("%s: restoring the host copy failed: %s", self.name, failed[1])
+            logger.error("%s: restoring the served version failed: %s", self.name, failed[1])
             return False
-        logger.warning("%s: update to v%s failed; restored v%s from the host copy", self.name, manifest.version, self._version)
+        logger.warning("%s: update to v%s failed; restored v%s", self.name, update.manifest.version, self._version)
         return True
 
     @contextmanager

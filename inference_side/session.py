@@ -22,6 +22,7 @@ class Session:
     started: float
     last_seen: float
     streaming: bool = False  # buckets go to the engine as they are verified (sync.mode: streaming)
+    early: bool = False  # staged, yet loaded as verified: a delta patched in the base store (SyncReceiver._loads_early)
     buckets: dict[int, StagedBucket] = field(default_factory=dict)  # verified, not yet loaded
     pending: Future[ApplyResult] | None = None  # the engine's finish (after every load)
     apply_started: float = 0.0

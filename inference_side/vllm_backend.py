@@ -57,7 +57,7 @@ from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, firs
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
 from inference_side.affinity import receiver_cores, threads_started_on
-from inference_side.contract import EngineGate, StagedBucket
+from inference_side.contract import EngineGate, Restore, StagedBucket
 from inference_side.ledger import Ledger, RecordingGate
 from inference_side.lora import ServedAdapter, bucket_tensors, validate_adapter, write_marker, write_peft_dir
 from inference_side.receiver import SyncReceiver
@@ -154,7 +154,7 @@ class _RpcGate(EngineGate):
             e.noop(manifest)
         return noop
 
-    def begin(self, manifest: wire.Manifest) -> None:
+    def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
         self.engine.call("begin", manifest)
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:

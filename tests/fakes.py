@@ -18,6 +18,8 @@ What it records (read after the update's ack arrived):
   for every applied version; ``tensors(version)`` gives them back as torch tensors (``keep="bytes"``)
 * ``segments``: the name of every segment a bucket was loaded from
 * ``aborted``: (version, reason) of every update closed by ``abort``
+* ``restored``: with ``restores=True``, (version, {name: bytes}) for every update that failed or was aborted after
+  a bucket was loaded: what ``begin``'s ``restore`` gave back (the served version, as the receiver keeps it)
 * ``violations``: calls that broke the contract (load outside an update, buckets out of order, finish with
   buckets missing, begin while another update is open); the ``start_receiver`` fixture asserts none
 
@@ -51,6 +53,7 @@ class _Update:
     loaded: list[int] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)  # tensors whose bytes differ from ``expected``
     error: tuple[FailureKind, str] | None = None  # a failed load: reported by every later call
+    restore: Any = None  # begin's restore (a gate that ``restores``)
 
 
 class FakeEngine(EngineGate):
@@ -77,7 +80,7 @@ class FakeEngine(EngineGate):
                  validate: Callable[[wire.Manifest], str | None] | None = None,
                  on_load: Callable[[wire.Manifest, StagedBucket], LoadResult | None] | None = None,
                  on_finish: Callable[[wire.Manifest], ApplyResult | None] | None = None,
-                 load_delay_s: float = 0.0, finish_delay_s: float = 0.0) -> None:
+                 load_delay_s: float = 0.0, finish_delay_s: float = 0.0, restores: bool = False) -> None:
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, not {keep!r}")
         self.dtype, self.version, self.tp_size, self.transports, self.host = dtype, version, tp_size, transports, host
@@ -93,6 +96,8 @@ class FakeEngine(EngineGate):
         self.manifests: dict[int, wire.Manifest] = {}
         self.segments: list[str] = []
         self.aborted: list[tuple[int, str]] = []
+        self.restores = restores
+        self.restored: list[tuple[int, dict[str, bytes]]] = []
         self.violations: list[str] = []
         self._open: _Update | None = None
         self._lock = threading.Lock()
@@ -134,11 +139,13 @@ class FakeEngine(EngineGate):
             return f"version {manifest.version} already served"
         return self._validate(manifest) if self._validate is not None else None
 
-    def begin(self, manifest: wire.Manifest) -> None:
+    def begin(self, manifest: wire.Manifest, restore: Any = None) -> None:
         with self._lock:
             if self._open is not None:
                 self._violate(f"begin of version {manifest.version} while version {self._open.manifest.version} is open")
-            self._open = _Update(manifest)
+            if restore is not None and not self.restores:
+                self._violate(f"begin of version {manifest.version} with a restore, though this engine does not restore")
+            self._open = _Update(manifest, restore=restore)
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         update = self._current(manifest, f"load of bucket {bucket.index}")
@@ -173,6 +180,12 @@ class FakeEngine(EngineGate):
                 self._open = None
         if update is None:
             return ApplyResult(False, f"no update of version {manifest.version} is open", FailureKind.WIRE)
+        result = self._finish(update, manifest, timings, t0)
+        if not result.ok:
+            self._restore(update)
+        return result
+
+    def _finish(self, update: _Update, manifest: wire.Manifest, timings: dict[str, float], t0: float) -> ApplyResult:
         if update.error is not None:
             return ApplyResult(False, update.error[1], update.error[0])
         missing = sorted(set(range(len(manifest.bucket_sizes))) - set(update.loaded))
@@ -199,11 +212,21 @@ class FakeEngine(EngineGate):
 
     def abort(self, manifest: wire.Manifest, reason: str) -> None:
         with self._lock:
-            if self._open is not None and self._open.manifest.version == manifest.version:
+            update = self._open
+            if update is not None and update.manifest.version == manifest.version:
                 self._open = None
                 self.aborted.append((manifest.version, reason))
+        if update is not None and update.manifest.version == manifest.version:
+            self._restore(update)
 
     # ---- inside ----------------------------------------------------------------------------------------
+    def _restore(self, update: _Update) -> None:
+        """A failed or aborted update that had loaded a bucket: take back what its ``restore`` gives."""
+        if update.restore is None or not update.loaded:
+            return
+        got = {s.name: bytes(b.segment.buffer[s.offset:s.offset + s.nbytes]) for b in update.restore() for s in b.specs}
+        self.restored.append((update.manifest.version, got))
+
     def _current(self, manifest: wire.Manifest, what: str) -> _Update | None:
         update = self._open
         if update is None or update.manifest.version != manifest.version:

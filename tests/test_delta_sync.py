@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_same_outputs, generate, oracle
+from tests.helpers import assert_same_outputs, generate, oracle, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -139,6 +139,55 @@ def test_delta_on_another_publishers_version_is_refused_and_resent_dense(engine:
     assert applied["ok"] and applied["delta_base"] == 0 and applied["wire_bytes"] == applied["dense_bytes"], applied
     read_back_equal(actor, ours)
     assert ray.get(actor.version.remote()) == version + 4
+
+
+def test_a_delta_that_fails_after_loading_began_leaves_the_served_version(engine: Any, tmp_path: Any) -> None:
+    """A staged delta is loaded bucket by bucket as each is verified (the engine restores from the receiver's base
+    store). One whose last bucket carries a NaN is refused after the buckets before it reached the engine: the
+    engine loads the served version back from the store, its record says so, its weights read back are the
+    served ones and its outputs equal a cold load of the served version; the next updates apply."""
+    import copy
+
+    import ray
+    import torch
+
+    from bridge.config import BridgeConfig
+    from bridge.errors import UpdateFailed
+    from devtools.tiny_models import build_model, save_checkpoint
+    from trainer_side import WeightPublisher
+
+    actor = engine["actor"]
+    model = build_model("tiny", 21)
+    version = ray.get(actor.version.remote())
+    config = BridgeConfig().replace(transport={"bucket_mb": 0.25})  # several buckets: loading begins before the last
+    with WeightPublisher([engine["endpoint"]], config=config) as publisher:
+        publisher.publish(model.named_parameters(), version=version + 1)
+        rl_step(model, seed=31)
+        report = publisher.publish(model.named_parameters(), version=version + 2)
+        assert report.delta["mode"] == "delta"
+        served = copy.deepcopy(model)
+        rl_step(model, seed=32)
+        last_name, last = list(model.named_parameters())[-1]
+        with torch.no_grad():
+            last.view(-1)[5] = float("nan")
+        with pytest.raises(UpdateFailed, match="NaN"):
+            publisher.publish(model.named_parameters(), version=version + 3)
+        def rolled_back() -> list[dict[str, Any]]:
+            return [r for r in records_of(actor, version + 3) if "rolled back from the receiver's delta base" in r["reason"]]
+
+        wait_until(rolled_back, 60, "the engine's record of the rollback")
+        (failed,) = rolled_back()
+        assert not failed["ok"] and f"serves version {version + 2}" in failed["reason"] and last_name in failed["reason"], failed
+        assert ray.get(actor.version.remote()) == version + 2
+        read_back_equal(actor, served)
+        (cold,) = oracle([save_checkpoint(served, tmp_path / "served")], 1, "bfloat16")
+        assert_same_outputs(generate(actor), cold)
+        with torch.no_grad():
+            last.view(-1)[5] = 0.0
+        assert publisher.publish(model.named_parameters(), version=version + 4).delta["mode"] == "dense"
+        rl_step(model, seed=33)
+        assert publisher.publish(model.named_parameters(), version=version + 5).delta["mode"] == "delta"
+    read_back_equal(actor, model)
 
 
 GPT_OSS_DELTAS = 20  # delta syncs in a row at TP 2 (the issue's count), after the first (dense) update

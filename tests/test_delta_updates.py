@@ -720,3 +720,59 @@ def test_a_delta_publish_is_pipelined_bucket_by_bucket(start_receiver: Any) -> N
     packed_before = sum(1 for times in detached.values() if times[-1] < first_load[0])
     assert packed_before <= 4, f"{packed_before} of 12 buckets were packed before the engine loaded bucket 0"
     assert rx.gate.received[2].keys() == weights.keys()
+
+
+# ---- a staged delta loaded as each bucket is verified, rolled back through the engine ---------------------------
+
+def test_a_staged_delta_loads_as_verified_and_a_late_failure_restores_the_served_version(start_receiver: Any) -> None:
+    """Into an engine that ``restores``, a staged delta patched in the receiver's base store opens at Begin and
+    each bucket is loaded once verified, before the update's End (dense updates still load after it). When such
+    an update fails after buckets were loaded (a NaN in its last bucket; the engine refusing at finish), the
+    engine is handed the served version back, bit for bit (the store rolled back), and the receiver still holds
+    that version; the updates after it apply."""
+    from bridge.report import ApplyResult
+    from trainer_side import WeightPublisher
+
+    seen: dict[int, list[bool]] = {}  # version -> for each load: had every bucket of the update arrived yet?
+    rx: Any = None
+
+    def on_load(m: wire.Manifest, bucket: Any) -> None:
+        seen.setdefault(m.version, []).append(all(s["staged"] == s["buckets"] for s in rx.summary()))
+
+    engine = FakeEngine(keep="bytes", restores=True, on_load=on_load,
+                        on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version == 6 else None)
+    rx = start_receiver(_config(), engine)
+    weights = _weights()
+    with WeightPublisher([rx.endpoint], config=_config()) as publisher:
+        publisher.publish(weights, version=1)
+        assert all(seen[1]), "a dense staged update loads once every bucket arrived"
+        for version in (2, 3):
+            _step(weights, seed=version)
+            assert publisher.publish(weights, version=version).delta["mode"] == "delta"
+            assert {k: bytes(v) for k, v in engine.received[version].items()} == {k: _raw(v) for k, v in weights.items()}
+        buckets = len(engine.manifests[3].bucket_sizes)
+        assert buckets >= 3 and len(seen[3]) == buckets
+        assert not all(seen[2] + seen[3]), "some bucket of a delta was loaded before the last one arrived"
+        served = {k: _raw(v) for k, v in weights.items()}
+        last = list(weights)[-1]
+        _step(weights, seed=4)
+        weights[last].view(-1)[3] = float("nan")  # refused by the receiver when its bucket lands
+        with pytest.raises(UpdateFailed, match="NaN"):
+            publisher.publish(weights, version=4)
+        wait_until(lambda: engine.restored, 5, "the engine's restore")
+        assert engine.restored[-1] == (4, served), "the engine got the served version back, every tensor"
+        assert engine.aborted and engine.aborted[-1][0] == 4
+        weights[last].view(-1)[3] = 0.0
+        assert publisher.publish(weights, version=5).delta["mode"] == "dense"  # the publisher dropped its base
+        served = {k: _raw(v) for k, v in weights.items()}
+        _step(weights, seed=6)
+        with pytest.raises(UpdateFailed, match="no"):  # a delta the engine refuses at finish, every bucket loaded
+            publisher.publish(weights, version=6)
+        assert engine.restored[-1] == (6, served) and len(engine.restored) == 2
+        wait_until(lambda: rx.bases.patching is None, 5, "the failed update's end")
+        assert rx.bases.version == 5 and {k: bytes(v) for k, v in rx.bases.tensors.items()} == served
+        publisher.publish(weights, version=7)
+        _step(weights, seed=8)
+        assert publisher.publish(weights, version=8).delta["mode"] == "delta"
+    assert {k: bytes(v) for k, v in engine.received[8].items()} == {k: _raw(v) for k, v in weights.items()}
+    assert engine.violations == []
