@@ -317,63 +317,42 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
 
 
 COMPARE_CHUNK_BYTES = 1 << 20  # compared (and summed) while in cache
-_compare_pool: Any = None
 
 
 def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: str | None = None,
                       patch: bool = False) -> tuple[np.ndarray, np.ndarray, int | None]:
     """The positions (int64, increasing) of the ``width``-byte elements whose bit patterns differ between
     ``base`` and ``new`` (flat uint8 arrays of one size), the XOR of base and new at each, and, with
-    ``checksum``, that algorithm's checksum of ``new``: one read of each, chunk by chunk (the values gathered
-    while the chunk is in cache, not by random access afterwards), spread over two threads (numpy's compare
-    and xxh3 release the GIL): a helper thread sums ``new`` and compares the tail while this one compares the
-    head. With ``patch`` the changed elements of ``base`` are overwritten with ``new``'s in the same pass, so
-    ``base`` ends as ``new``."""
+    ``checksum``, that algorithm's checksum of ``new``: one read of each, chunk by chunk, on the calling thread
+    (the values gathered and the checksum fed while the chunk is in cache, not by random access or a second
+    pass afterwards). With ``patch`` the changed elements of ``base`` are overwritten with ``new``'s in the
+    same pass, so ``base`` ends as ``new``. One thread: the compare runs while the engines load the buckets
+    before it (a delta is loaded as it arrives), on hosts where trainer and engine may share cores."""
     import numpy as np
 
-    global _compare_pool
     if base.nbytes != new.nbytes or base.nbytes % width:
         raise ValueError(f"changed_positions: {base.nbytes} and {new.nbytes} bytes of {width}-byte elements")
     old_bits, new_bits = base.view(_uint(width)), new.view(_uint(width))
     numel, step = int(old_bits.size), max(COMPARE_CHUNK_BYTES // width, 1)
-
-    def compare(lo: int, hi: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        found, xors = [], []
-        for start in range(lo, hi, step):
-            end = min(start + step, hi)
-            a, b = old_bits[start:end], new_bits[start:end]
-            hits = np.flatnonzero(a != b)
-            if hits.size:
-                fresh = b[hits]
-                xors.append(np.bitwise_xor(a[hits], fresh))
-                if patch:
-                    a[hits] = fresh
-                found.append(hits + start)
-        return found, xors
-
-    def digest() -> int | None:
-        return None if checksum is None else int(checksums.function(checksum)(new))
-
-    if numel <= 4 * step:  # small: not worth a thread
-        (found, xors), total = compare(0, numel), digest()
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        if _compare_pool is None:
-            _compare_pool = ThreadPoolExecutor(1, thread_name_prefix="wb-delta-compare")
-        # the checksum reads as fast as about half a compare: the helper's share of the compare is smaller
-        split = (int(numel * (0.6 if checksum is not None else 0.5)) // step) * step
-
-        def tail() -> tuple[int | None, tuple[list[np.ndarray], list[np.ndarray]]]:
-            return digest(), compare(split, numel)
-
-        pending = _compare_pool.submit(tail)
-        head = compare(0, split)
-        total, rest = pending.result()
-        found, xors = head[0] + rest[0], head[1] + rest[1]
+    digest = checksums.running(checksum)() if checksum is not None else None
+    found, xors = [], []
+    for start in range(0, numel, step):
+        end = min(start + step, numel)
+        a, b = old_bits[start:end], new_bits[start:end]
+        if digest is not None:
+            digest.update(b)
+        hits = np.flatnonzero(a != b)
+        if hits.size:
+            fresh = b[hits]
+            xors.append(np.bitwise_xor(a[hits], fresh))
+            if patch:
+                a[hits] = fresh
+            found.append(hits + start)
+    if digest is not None and not numel:
+        digest.update(new)
     positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     values = np.concatenate(xors) if xors else np.zeros(0, dtype=_uint(width))
-    return positions.astype(np.int64, copy=False), values, total
+    return positions.astype(np.int64, copy=False), values, None if digest is None else int(digest.intdigest())
 
 
 def _size(payload: bytes | None, dense_nbytes: int) -> int:

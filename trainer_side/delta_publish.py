@@ -10,7 +10,7 @@ One publish with deltas on (``sync.delta: true``):
    names the base version and each tensor's base checksum, which the engines check at ``Begin``.
 2. **Bucket by bucket**, while the previous one is on the wire (``encode_in_place``): each trainer tensor of
    bucket *i* is compared with its base (``bridge.delta.changed_positions``: the changed elements and the new
-   checksum in one read of each, over two threads) and encoded from those positions
+   checksum in one read of each, on one thread) and encoded from those positions
    (``bridge.delta.encode_bytes``, the checksums passed, not rehashed); it sends its patch when that is
    smaller than its bytes. The base's bucket is then **patched in place** (the changed elements written), so
    it holds the new version without a copy of the model (tensors not CPU, contiguous and in the wire dtype
@@ -188,7 +188,7 @@ def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: i
     patches above ``max_ratio`` of its bytes, or ``encode`` false) and the new tensors' checksums.
 
     One read of the base and of the trainer's tensors (``changed_positions``: the compare and the new checksum
-    in one pass over two threads) where the tensors are CPU, contiguous and in the wire dtype; others are
+    in one pass) where the tensors are CPU, contiguous and in the wire dtype; others are
     packed first into a buffer from ``buffers`` (cast as packing casts) and compared from there. A tensor sends
     its patch when that is smaller than its bytes, else its bytes."""
     manifest = base.manifest
