@@ -144,8 +144,9 @@ class SyncReceiver:
         store should the update fail later (``EngineGate.restores``): the store, rolled back, is that version.
         The engine's load then overlaps the transfer and the patching; the update stays "old or new"."""
         m = session.manifest
-        return (not session.streaming and m.delta is not None and m.adapter is None and self._keeps_bases
-                and self.bases is not None and self.gate.restores and self.bases.can_patch(m, session.identity))
+        return (self.config.sync.delta_early_load and not session.streaming and m.delta is not None and m.adapter is None
+                and self._keeps_bases and self.bases is not None and self.gate.restores
+                and self.bases.can_patch(m, session.identity))
 
     def _progress(self, sock: Any, session: Session) -> bool:
         """Streaming: credit back every bucket loaded so far, in order, and free its staging; on a failed

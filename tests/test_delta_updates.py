@@ -741,7 +741,8 @@ def test_a_staged_delta_loads_as_verified_and_a_late_failure_restores_the_served
 
     engine = FakeEngine(keep="bytes", restores=True, on_load=on_load,
                         on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version == 6 else None)
-    rx = start_receiver(_config(), engine)
+    # one bucket in flight: bucket i + 1 is sent after bucket i was staged and its load handed to the apply thread
+    rx = start_receiver(BridgeConfig().replace(transport={"bucket_mb": 0.04, "depth": 1}), engine)
     weights = _weights()
     with WeightPublisher([rx.endpoint], config=_config()) as publisher:
         publisher.publish(weights, version=1)
@@ -776,3 +777,22 @@ def test_a_staged_delta_loads_as_verified_and_a_late_failure_restores_the_served
         assert publisher.publish(weights, version=8).delta["mode"] == "delta"
     assert {k: bytes(v) for k, v in engine.received[8].items()} == {k: _raw(v) for k, v in weights.items()}
     assert engine.violations == []
+
+
+def test_with_early_load_off_a_staged_delta_loads_after_its_last_bucket(start_receiver: Any) -> None:
+    """``sync.delta_early_load: false``: a staged delta goes to the engine once every bucket arrived, as a dense
+    update does, and ``begin`` gets no restore."""
+    from trainer_side import WeightPublisher
+
+    seen: list[bool] = []
+    rx: Any = None
+    engine = FakeEngine(keep="bytes", restores=True,
+                        on_load=lambda m, b: seen.append(all(s["staged"] == s["buckets"] for s in rx.summary())))
+    rx = start_receiver(_config(delta_early_load=False), engine)
+    weights = _weights()
+    with WeightPublisher([rx.endpoint], config=_config()) as publisher:
+        for version in (1, 2, 3):
+            _step(weights, seed=version)
+            assert publisher.publish(weights, version=version).delta["mode"] == ("dense" if version == 1 else "delta")
+    assert len(seen) >= 9 and all(seen), "every bucket loaded after the last one arrived"
+    assert {k: bytes(v) for k, v in engine.received[3].items()} == {k: _raw(v) for k, v in weights.items()}
