@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -75,6 +75,9 @@ class SyncReceiver:
         # delta updates: the version last applied, to rebuild full tensors from patches
         self.bases = bases if bases is not None else (BaseStore() if config.sync.delta else None)
         self._keeps_bases = bases is None
+        # the engine's calls that may reload the served version from ``bases`` (a delta loaded early: its finish,
+        # its abort): no other delta is patched into the store until they are done
+        self._restoring: list[Future[Any]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
@@ -126,7 +129,9 @@ class SyncReceiver:
             self._executor.submit(gate.begin, manifest)
 
         def abort(reason: str) -> None:
-            self._executor.submit(gate.abort, manifest, reason)
+            done = self._executor.submit(gate.abort, manifest, reason)
+            if session.early:
+                self._restoring.append(done)
 
         session.on_abort = abort
 
@@ -365,6 +370,11 @@ class SyncReceiver:
             if manifest.delta is not None:
                 if self.bases is None:
                     raise WrongBase("this engine keeps no base for delta updates (sync.delta: false)")
+                self._restoring = [f for f in self._restoring if not f.done()]
+                if self._restoring:
+                    raise WrongBase(f"this engine is applying a delta as it arrives, or putting its served version back after "
+                                    f"one that failed; the delta of version {manifest.version} applies to version "
+                                    f"{manifest.delta.base_version}")
                 self.bases.check(manifest)
             self._plane(manifest.transport).begin(identity)
             self._plane(manifest.transport).expect(identity, manifest)
@@ -545,6 +555,8 @@ class SyncReceiver:
         if session.streaming or session.early:
             session.on_abort = None  # from here on the finish (or its failure) ends the engine's update
             session.pending = self._executor.submit(self.gate.finish, session.manifest, session.timings)
+            if session.early:
+                self._restoring.append(session.pending)
             return
         session.pending = self._executor.submit(self._apply_staged, session.manifest, buckets, session.timings)
 

@@ -85,6 +85,7 @@ class _Update:
 
 class InferenceServer(EngineGate):
     restores = True  # a failed update that began loading is rolled back from the receiver's delta base when given
+
     def __init__(self, model: str | ModelSpec, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
                  config: BridgeConfig | dict[str, Any] | str | None = None, name: str | None = None,
                  join: Any = None, join_timeout_s: float = 600.0, **llm_kwargs: Any) -> None:

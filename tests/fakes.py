@@ -80,7 +80,8 @@ class FakeEngine(EngineGate):
                  validate: Callable[[wire.Manifest], str | None] | None = None,
                  on_load: Callable[[wire.Manifest, StagedBucket], LoadResult | None] | None = None,
                  on_finish: Callable[[wire.Manifest], ApplyResult | None] | None = None,
-                 load_delay_s: float = 0.0, finish_delay_s: float = 0.0, restores: bool = False) -> None:
+                 load_delay_s: float = 0.0, finish_delay_s: float = 0.0, restores: bool = False,
+                 restore_delay_s: float = 0.0) -> None:
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, not {keep!r}")
         self.dtype, self.version, self.tp_size, self.transports, self.host = dtype, version, tp_size, transports, host
@@ -98,6 +99,8 @@ class FakeEngine(EngineGate):
         self.aborted: list[tuple[int, str]] = []
         self.restores = restores
         self.restored: list[tuple[int, dict[str, bytes]]] = []
+        self.restore_delay_s = restore_delay_s  # between taking ``restore()``'s buckets and reading them (a slow load)
+        self.restoring = False
         self.violations: list[str] = []
         self._open: _Update | None = None
         self._lock = threading.Lock()
@@ -224,7 +227,11 @@ class FakeEngine(EngineGate):
         """A failed or aborted update that had loaded a bucket: take back what its ``restore`` gives."""
         if update.restore is None or not update.loaded:
             return
-        got = {s.name: bytes(b.segment.buffer[s.offset:s.offset + s.nbytes]) for b in update.restore() for s in b.specs}
+        buckets = update.restore()
+        self.restoring = True
+        time.sleep(self.restore_delay_s)
+        got = {s.name: bytes(b.segment.buffer[s.offset:s.offset + s.nbytes]) for b in buckets for s in b.specs}
+        self.restoring = False
         self.restored.append((update.manifest.version, got))
 
     def _current(self, manifest: wire.Manifest, what: str) -> _Update | None:

@@ -796,3 +796,38 @@ def test_with_early_load_off_a_staged_delta_loads_after_its_last_bucket(start_re
             assert publisher.publish(weights, version=version).delta["mode"] == ("dense" if version == 1 else "delta")
     assert len(seen) >= 9 and all(seen), "every bucket loaded after the last one arrived"
     assert {k: bytes(v) for k, v in engine.received[3].items()} == {k: _raw(v) for k, v in weights.items()}
+
+
+def test_no_delta_is_patched_into_the_base_while_the_engine_restores_from_it(start_receiver: Any) -> None:
+    """While an engine reloads the served version from the receiver's base store (a failed delta loaded as it
+    arrived), another publisher's delta on that base is refused (kind ``base``, resent dense) instead of being
+    patched into the very buckets the engine is reading."""
+    import threading
+
+    from bridge.report import ApplyResult
+    from trainer_side import WeightPublisher
+
+    engine = FakeEngine(keep="bytes", restores=True, restore_delay_s=1.0,
+                        on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version == 3 else None)
+    rx = start_receiver(_config(), engine)
+    ours, theirs = _weights(), _weights()
+    with WeightPublisher([rx.endpoint], config=_config()) as a, WeightPublisher([rx.endpoint], config=_config()) as b:
+        a.publish(ours, version=1)
+        _step(ours, seed=2)
+        assert a.publish(ours, version=2).delta["mode"] == "delta"
+        served = {k: _raw(v) for k, v in ours.items()}
+        theirs = {k: v.clone() for k, v in ours.items()}
+        b.publish(theirs, version=2)  # the served version: a checked no-op, which B keeps as its base
+        assert b.bases is not None and b.bases.manifest.version == 2
+        _step(ours, seed=3)
+        failed: list[BaseException] = []
+        first = threading.Thread(target=lambda: failed.append(pytest.raises(UpdateFailed, a.publish, ours, version=3).value))
+        first.start()
+        wait_until(lambda: engine.restoring, 10, "the engine restoring the served version")
+        _step(theirs, seed=4)
+        report = b.publish(theirs, version=4)  # a delta against version 2, while version 2 is being restored
+        first.join(30)
+    assert failed and engine.restored == [(3, served)], "the restore read the served version, untouched"
+    why = report.engines[0].dense_fallback
+    assert report.ok and "applying a delta as it arrives" in why, why
+    assert {k: bytes(v) for k, v in engine.received[4].items()} == {k: _raw(v) for k, v in theirs.items()}
