@@ -348,8 +348,6 @@ def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: s
             if patch:
                 a[hits] = fresh
             found.append(hits + start)
-    if digest is not None and not numel:
-        digest.update(new)
     positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     values = np.concatenate(xors) if xors else np.zeros(0, dtype=_uint(width))
     return positions.astype(np.int64, copy=False), values, None if digest is None else int(digest.intdigest())

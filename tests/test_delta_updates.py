@@ -810,7 +810,7 @@ def test_no_delta_is_patched_into_the_base_while_the_engine_restores_from_it(sta
     engine = FakeEngine(keep="bytes", restores=True, restore_delay_s=1.0,
                         on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version == 3 else None)
     rx = start_receiver(_config(), engine)
-    ours, theirs = _weights(), _weights()
+    ours = _weights()
     with WeightPublisher([rx.endpoint], config=_config()) as a, WeightPublisher([rx.endpoint], config=_config()) as b:
         a.publish(ours, version=1)
         _step(ours, seed=2)
