@@ -78,6 +78,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         manifest = agree(plans, world).to_wire() if rank == 0 else None
         torch.save({"ranges": [r.to_wire() for r in plan.ranges], "bytes": [bytes(v.numpy()) for v in views],
                     "manifest": manifest, "placements": placements}, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks done with gloo before either tears it down (a rank leaving early aborted the other once)
     finally:
         dist.destroy_process_group()
 
