@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                     on = bool(cmd["on"])
                     config = dataclasses.replace(server.config, sync=dataclasses.replace(server.config.sync, delta=on))
                     server.config = server.receiver.config = config
+                    if server.receiver.bases is not None:  # between syncs: its segments are closed (unlinked)
+                        server.receiver.bases.clear()
                     server.receiver.bases = BaseStore() if on else None
                     _answer({"ok": True, "delta": on})
                 elif op == "status":

@@ -9,7 +9,9 @@ forward passes) serves that receiver's lifecycle calls: ``begin`` / ``load`` per
 worker's model, so the sink router, bypass capture, write audit, identity check, checksums and version
 rules all apply. The whole update happens inside that one RPC: the model is never left half-loaded
 between vLLM's calls. With TP > 1 the ranks agree (a gloo all-reduce on the TP group's CPU group) before
-they finish: all apply or none does.
+they finish: all apply or none does. A delta this worker's receiver patches in its base store is loaded bucket by
+bucket as each is verified (``sync.delta_early_load``); should it fail after that, every rank reloads the served
+version from its own receiver's store (rolled back bit for bit) before the update's end is answered.
 
 A refused or failed update is answered to the trainer's publisher in its ``Ack`` (reason and ``FailureKind``)
 and fails vLLM's ``update_weights`` call with the same reason (``UpdateFailed``; over HTTP the route answers with
@@ -134,7 +136,11 @@ def _unserved(name: str, why: str, kind: FailureKind) -> Any:
 
 
 class _RpcGate(EngineGate):
-    """The receiver's engine: validates on the receiver's thread, hands every model call to the RPC thread."""
+    """The receiver's engine: validates on the receiver's thread, hands every model call to the RPC thread. It
+    restores (``EngineGate.restores``): a failed update that began loading and came with ``restore`` is rolled back
+    by reloading what ``restore()`` gives, on the RPC thread, before its end is answered."""
+
+    restores = True
 
     def __init__(self, engine: WeightBridgeEngine) -> None:
         self.engine = engine
@@ -155,7 +161,7 @@ class _RpcGate(EngineGate):
         return noop
 
     def begin(self, manifest: wire.Manifest, restore: Restore | None = None) -> None:
-        self.engine.call("begin", manifest)
+        self.engine.call("begin", manifest, restore)
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         result: LoadResult = self.engine.call("load", manifest, bucket)
@@ -192,6 +198,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self._open: wire.Manifest | None = None  # the update whose reload is open on this worker (wb_begin .. end)
         self._loaded = False  # a bucket of it reached the model
         self._buckets: list[StagedBucket] = []  # its buckets, for the host copy
+        self._restore: Restore | None = None  # the open update's way back to the served version (the receiver's store)
+        self._refused: FailureKind | None = None  # the kind of a refusal of the open update, ended by its abort
         self.host_copy: Any = None  # sync.host_copy: this worker's copy of the served weights (a full model)
         self.ledger = Ledger(f"vllm-tp{self.tp_rank}@{socket.gethostname()}")  # named after the receiver once it listens
         self.model_path = str(vllm_config.model_config.model)
@@ -336,7 +344,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
         """The receiver refused an update, timed it out, or the publisher abandoned it (``Abort``: a staged update
         still arriving never reached the engine, e.g. a trainer rank failed mid-publish): end the RPC waiting for
-        it, rather than let it wait out ``update_info.timeout_s``."""
+        it, rather than let it wait out ``update_info.timeout_s``. One already open in the model is ended by the
+        receiver's own abort or finish instead (``_run``)."""
         self.ledger.event(event, data)
         if event in ("refused", "timeout", "aborted"):
             self._calls.put(_Call("refused", data.get("kind", ""), str(data.get("reason", "")), int(data.get("version", 0))))
@@ -350,6 +359,9 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             kind, reason, refused = call.args
             if refused not in (0, version):
                 return None
+            if self._open is not None:  # opened in the model (streaming, a delta loaded early): the receiver ends it
+                self._refused = parse_kind(kind)  # with its abort or finish, queued after the loads it submitted,
+                return None  # which restores
             agreed = self._agree((parse_kind(kind) or FailureKind.OTHER, reason)) or (FailureKind.OTHER, reason)
             return agreed[0], self._close_reload(agreed[1])
         manifest = call.args[0]
@@ -365,6 +377,8 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             else:
                 self._close_reload(None)
                 self._open, self._loaded, self._buckets = manifest, False, []
+                self._restore = call.args[1] if len(call.args) > 1 else None
+                self._refused = None
                 self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._router_options()))
             call.answer(None)
             return None
@@ -401,7 +415,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 # version (the ranks that finished hold the new weights: see docs/guarantees.md on this mode)
                 self._failure = self._agree(self._failure)
             if self._failure is None:
-                self._open = None
+                self._open, self._restore = None, None
                 if self.host_copy is not None:
                     self.host_copy.keep(self._buckets)
                 self._buckets = []
@@ -414,11 +428,12 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             reason = self._close_reload(reason)
             call.answer(ApplyResult(False, reason, kind, {"ranks": [r.to_dict() for r in ranks]}))
             return kind, reason
-        # abort
-        self._agree((FailureKind.ABORTED, str(call.args[1])))
+        # abort (after a refusal of the open update: that refusal's kind)
+        kind, self._refused = self._refused or FailureKind.ABORTED, None
+        self._agree((kind, str(call.args[1])))
         reason = self._close_reload(f"update aborted: {call.args[1]}")
         call.answer(None)
-        return FailureKind.ABORTED, reason
+        return kind, reason
 
     def _finish_adapter(self, call: _Call, manifest: wire.Manifest) -> tuple[FailureKind | None, str]:
         """The end of an adapter update: every rank verified every tensor, then TP rank 0 writes the PEFT directory
@@ -484,10 +499,11 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
 
     def _close_reload(self, reason: str | None) -> str:
         """End this worker's open reload of a failed update (kernel tensors back in place); if a bucket had
-        reached the model, reload the served weights from the host copy. Returns ``reason`` with what became
-        of the served weights."""
-        manifest, loaded = self._open, self._loaded
-        self._open, self._loaded, buckets, self._buckets, self._lora = None, False, self._buckets, [], None
+        reached the model, reload the served weights: every tensor ``restore()`` gives (the receiver's delta base,
+        rolled back: a delta loaded as it arrived), else the host copy's tensors of the update. Returns ``reason``
+        with what became of the served weights."""
+        manifest, loaded, back = self._open, self._loaded, self._restore
+        self._open, self._loaded, buckets, self._buckets, self._lora, self._restore = None, False, self._buckets, [], None, None
         del buckets
         reason = reason or ""
         if manifest is None:
@@ -495,20 +511,26 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.worker.wb_abort()
         if not loaded:
             return reason
-        if self.host_copy is None:
-            logger.warning("weight_bridge: TP rank %d holds part of version %s (no host copy, sync.host_copy)",
-                           self.tp_rank, manifest.version)
-            return reason + f" (TP rank {self.tp_rank} holds part of version {manifest.version}: no host copy)"
-        from inference_side.host_copy import restore
+        from inference_side.host_copy import reload_buckets, restore
 
         def step(name: str, *args: Any) -> list[RankReport]:
             return [RankReport.coerce(getattr(self.worker, name)(*args))]
 
-        failed = restore(self.host_copy, manifest, step, self._router_options())
+        stored = back() if back is not None else []
+        if stored:
+            source = "the receiver's delta base"
+            failed = reload_buckets(stored, step, self._router_options())
+        elif self.host_copy is not None:
+            source = "the host copy"
+            failed = restore(self.host_copy, manifest, step, self._router_options())
+        else:
+            logger.warning("weight_bridge: TP rank %d holds part of version %s (no host copy, sync.host_copy)",
+                           self.tp_rank, manifest.version)
+            return reason + f" (TP rank {self.tp_rank} holds part of version {manifest.version}: no host copy)"
         if failed is not None:
-            logger.error("weight_bridge: TP rank %d: restoring the host copy failed: %s", self.tp_rank, failed[1])
-            return reason + f" (restoring the host copy failed on TP rank {self.tp_rank}: {failed[1]})"
-        return reason + f" (rolled back from the host copy: TP rank {self.tp_rank} serves version {self.version})"
+            logger.error("weight_bridge: TP rank %d: restoring %s failed: %s", self.tp_rank, source, failed[1])
+            return reason + f" (restoring {source} failed on TP rank {self.tp_rank}: {failed[1]})"
+        return reason + f" (rolled back from {source}: TP rank {self.tp_rank} serves version {self.version})"
 
     def _router_options(self) -> dict[str, bool]:
         return self.receiver.config.router.worker_options() if self.receiver is not None else {}

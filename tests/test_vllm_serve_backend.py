@@ -235,3 +235,96 @@ def test_pause_modes_with_requests_in_flight(server: Any, cold: dict[int, Any], 
     # a new request is served by the new weights
     assert_same_outputs(_complete(server, [*PROMPTS, LONG]), cold[seed][1])
     trainer.shutdown()
+
+
+def _read_back(server: Any, model: Any) -> None:
+    """Every TP rank's live norms (whole on each rank) and, on GPT-OSS, attention sinks (split by head) are the
+    trainer's ``model``, bit for bit: read through vLLM's dev route ``/collective_rpc`` (the extension's ``wb_read``)."""
+    import requests
+    import torch
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    tp = server["tp"]
+    want: list[dict[str, Any]] = [{n: params[n] for n in ("model.norm.weight", "model.layers.1.input_layernorm.weight")}
+                                  for _ in range(tp)]
+    if server["kind"] == "gpt_oss":
+        for layer in range(2):
+            sinks = params[f"model.layers.{layer}.self_attn.sinks"]
+            for rank, part in enumerate(sinks.chunk(tp)):
+                want[rank][f"model.layers.{layer}.attn.sinks"] = part
+    r = requests.post(f"{server['url']}/collective_rpc", json={"method": "wb_read", "args": [list(want[0])]}, timeout=120)
+    assert r.status_code == 200, r.text
+    ranks = r.json()["results"]
+    assert len(ranks) == tp
+    for rank, (live, expected) in enumerate(zip(ranks, want, strict=True)):
+        for name, tensor in expected.items():
+            got, exp = torch.tensor(live[name], dtype=torch.float32), tensor.float().flatten()
+            assert torch.equal(got.view(torch.int32), exp.view(torch.int32)), f"TP rank {rank} {name}: not the trainer's"
+
+
+def test_deltas_load_as_they_arrive_and_a_late_failure_restores_the_served_version(server: Any, cold: dict[int, Any],
+                                                                                    tmp_path: Path) -> None:
+    """Deltas through vLLM's API: each worker's receiver patches its copy of the served version and hands each bucket to
+    the model as it is verified. The weights read back after each are the trainer's; a delta whose last bucket holds a
+    NaN is refused after the buckets before it reached the model, and every rank reloads the served version from its
+    receiver's store: vLLM's call fails naming the tensor and the rollback, ``/weight_info`` keeps the version, the
+    server serves what a cold load of that version serves; the next updates apply (dense, then a delta again)."""
+    import copy
+
+    import requests
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from bridge.errors import UpdateFailed
+    from bridge.report import FailureKind
+    from devtools.tiny_models import build_model, save_checkpoint
+    from tests.helpers import rl_step
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    url, kind, tp = server["url"], server["kind"], server["tp"]
+    served = requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+    first = int(served) + 1 if served.isdigit() else 1
+    model = build_model(kind, seed=5)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp, first_version=first,
+                             config={"transport": {"bucket_mb": 0.25}}),  # several buckets: loading begins before the last
+        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+
+    def modes() -> set[str]:  # how the update went to each TP rank's receiver
+        report = trainer.last_report
+        assert report is not None and report.ok, report
+        return {"dense" if report.delta.get("mode") != "delta" or e.dense_fallback else "delta" for e in report.engines}
+
+    trainer.send_weights()  # a fresh receiver holds no base: dense
+    assert modes() == {"dense"}
+    assert_same_outputs(_complete(server, [*PROMPTS, LONG]), cold[5][1])
+    for seed in (51, 52, 53):
+        rl_step(model, seed)
+        trainer.send_weights()
+        assert modes() == {"delta"}, trainer.last_report
+        _read_back(server, model)
+    version, kept = trainer.version, copy.deepcopy(model)
+    rl_step(model, 54)
+    last_name, last = list(model.named_parameters())[-1]
+    with torch.no_grad():
+        last.view(-1)[5] = float("nan")
+    with pytest.raises(UpdateFailed) as info:
+        trainer.send_weights()
+    assert FailureKind.NONFINITE in info.value.kinds.values(), (info.value.kinds, str(info.value))
+    answered = info.value.reasons["update_weights"]
+    assert last_name in answered and "rolled back from the receiver's delta base" in answered, answered
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == str(version)
+    _read_back(server, kept)
+    (want,) = oracle([save_checkpoint(kept, tmp_path / "served")], tp, "bfloat16")
+    assert_same_outputs(_complete(server), want)
+    with torch.no_grad():
+        last.view(-1)[5] = 0.0
+    trainer.send_weights(version=version + 2)  # the publisher dropped its base with the failed delta: dense
+    assert modes() == {"dense"}
+    rl_step(model, 55)
+    trainer.send_weights()
+    assert modes() == {"delta"}
+    _read_back(server, model)
+    trainer.shutdown()
