@@ -6,7 +6,8 @@ applied update's staging: once the engine confirmed an update (dense or delta), 
 (the segments the engine loaded from; no copy), and the next delta is patched into those segments in place
 (``patch``), which the engine then loads; what each patch overwrote is recorded, so a failed or abandoned
 update is rolled back (``rollback``) to the base bit for bit. In streaming mode (buckets freed as they load)
-each staged bucket is copied into the store as it is staged (``take``) and kept once applied (``commit``).
+each staged bucket of a dense update is copied into a bucket of the store as it is staged (``copy``) and adopted
+once applied, so a streaming delta is patched in place too. A relay copies tensor by tensor (``take``, ``commit``).
 It holds every tensor those updates carried, in the wire dtype, and the checksum each was verified against:
 **one model of host RAM per receiver** (``sum(Manifest.tensors nbytes)`` of the model), besides the wire
 buckets of an update in flight (a dense update's staging, which then becomes the store). It starts empty, so
@@ -194,6 +195,32 @@ class BaseStore:
         self.layout = (manifest.tensors, manifest.bucket_sizes)
         self.version = manifest.version
         return kept
+
+    def copy(self, manifest: wire.Manifest, bucket: StagedBucket, pool: SegmentPool, in_place: bool = True) -> StagedBucket:
+        """Streaming mode (the engine's buckets are freed as they load): staged full bucket ``bucket`` of the update
+        ``manifest`` copied into a segment for ``adopt`` once the update is applied, so the store keeps buckets a
+        delta is patched into in place as in staged mode. With ``in_place``, when the held buckets have the
+        manifest's layout and no other update patches them, the copy goes **over the held segment** of that
+        index (no new pages: memory speed); the store is then in flux, ``version`` 0, until ``adopt``, so a
+        failed or abandoned update leaves no base and the next delta goes dense. Otherwise into a segment from
+        ``pool``, which the caller frees unless ``adopt`` took it (``holds``)."""
+        import numpy as np
+
+        with self._lock:
+            held = self.segments.get(bucket.index)
+            if not (in_place and held is not None and self.patching is None
+                    and self.layout == (manifest.tensors, manifest.bucket_sizes)):
+                held = None
+            target = held if held is not None else pool.take(manifest.bucket_sizes[bucket.index])
+            if held is not None:
+                self.version = 0  # in flux from here until adopt
+            size = manifest.bucket_sizes[bucket.index]
+            np.frombuffer(target.buffer, dtype=np.uint8)[:size] = np.frombuffer(bucket.segment.buffer, dtype=np.uint8)[:size]
+            return StagedBucket(bucket.index, target, list(bucket.specs), tuple(bucket.checksums))
+
+    def holds(self, segment: Segment) -> bool:
+        """``segment`` is one of the store's held buckets."""
+        return any(s is segment for s in self.segments.values())
 
     def keep(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> None:
         """An update of base weights was applied from these staged buckets (full tensors and their verified

@@ -144,12 +144,12 @@ class SyncReceiver:
         return self.gate.finish(manifest, timings)
 
     def _loads_early(self, session: Session) -> bool:
-        """A staged delta this receiver patches in place in its base store goes to the engine bucket by bucket as
-        each is verified, as a streaming update does, when the engine can put the served version back from that
-        store should the update fail later (``EngineGate.restores``): the store, rolled back, is that version.
-        The engine's load then overlaps the transfer and the patching; the update stays "old or new"."""
+        """A delta this receiver patches in place in its base store goes to the engine bucket by bucket as each is
+        verified, when the engine can put the served version back from that store should the update fail later
+        (``EngineGate.restores``): the store, rolled back, is that version. Staged, the engine's load then
+        overlaps the transfer and the patching; staged or streaming, the update stays "old or new"."""
         m = session.manifest
-        return (self.config.sync.delta_early_load and not session.streaming and m.delta is not None and m.adapter is None
+        return (self.config.sync.delta_early_load and m.delta is not None and m.adapter is None
                 and self._keeps_bases and self.bases is not None and self.gate.restores
                 and self.bases.can_patch(m, session.identity))
 
@@ -481,7 +481,7 @@ class SyncReceiver:
                     check()
             if table is not None and self.bases is not None:  # the full tensors, checked, into staging
                 wire_bucket = session.buckets[index]
-                if self._keeps_bases and not session.streaming and self.bases.can_patch(m, session.identity):
+                if self._keeps_bases and (session.early or not session.streaming) and self.bases.can_patch(m, session.identity):
                     session.rollback = self.bases.rollback  # patched in the store's own buckets, undone unless applied
                     session.buckets[index] = self.bases.patch(m, table, index, wire_bucket, session.identity, scfg.nonfinite)
                     session.borrowed.add(index)
@@ -496,11 +496,16 @@ class SyncReceiver:
             self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
-        if self.bases is not None and self._keeps_bases and m.adapter is None and session.streaming:
-            session.kept.update(self.bases.take(session.buckets[index]))  # the next delta's base, committed once applied
+        if self.bases is not None and self._keeps_bases and m.adapter is None and session.streaming and not session.early:
+            # the next delta's base, adopted once applied (not over the store while it may restore an early delta)
+            restoring = any(not f.done() for f in self._restoring)
+            copied = self.bases.copy(m, session.buckets[index], self._pool, in_place=not restoring)
+            session.copies[index] = copied
+            if not self.bases.holds(copied.segment):
+                session.copied.append(copied.segment)
         if session.streaming or session.early:
             session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
-            if session.streaming:
+            if session.streaming and not session.early:
                 return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
 
@@ -576,8 +581,9 @@ class SyncReceiver:
                         result = ApplyResult.refused(exc)
                     m = session.manifest
                     if result.ok and not result.report.get("noop") and self.bases is not None and self._keeps_bases:
-                        if session.streaming:
-                            self.bases.commit(m, session.kept)
+                        if session.streaming and not session.early:  # the copies taken as the buckets were staged
+                            self.bases.adopt(m, [session.copies[i] for i in sorted(session.copies)], identity, self._pool)
+                            session.copied = [seg for seg in session.copied if not self.bases.holds(seg)]
                         else:  # the applied buckets become the next delta's base, without a copy
                             session.rollback = None
                             session.borrowed |= self.bases.adopt(m, [session.buckets[i] for i in sorted(session.buckets)],

@@ -22,7 +22,7 @@ class Session:
     started: float
     last_seen: float
     streaming: bool = False  # buckets go to the engine as they are verified (sync.mode: streaming)
-    early: bool = False  # staged, yet loaded as verified: a delta patched in the base store (SyncReceiver._loads_early)
+    early: bool = False  # a delta patched in the base store, loaded from it as verified (SyncReceiver._loads_early)
     buckets: dict[int, StagedBucket] = field(default_factory=dict)  # verified, not yet loaded
     pending: Future[ApplyResult] | None = None  # the engine's finish (after every load)
     apply_started: float = 0.0
@@ -44,7 +44,10 @@ class Session:
     unreleased: dict[int, str] = field(default_factory=dict)  # loaded shm buckets -> segment, a worker may hold
     verified_by_peer: int = 0  # shm buckets another receiver on this host verified (see host_verdicts)
     sums: dict[str, int] = field(default_factory=dict)  # tensor -> checksum its bucket's header carried
-    kept: dict[str, Any] = field(default_factory=dict)  # streaming, delta bases: each staged tensor's copy and checksum
+    # streaming, keeping delta bases: each staged bucket's copy for the store (BaseStore.copy), and the segments of
+    # those copies the store does not hold (freed here unless adopted)
+    copies: dict[int, StagedBucket] = field(default_factory=dict)
+    copied: list[Segment] = field(default_factory=list)
     # staged delta patched in the base store's own segments: those buckets are the store's (never freed here),
     # and ``rollback`` (the store's) puts its base back unless the update was applied and adopted
     borrowed: set[int] = field(default_factory=set)
@@ -73,9 +76,11 @@ class Session:
                 pool.give(seg)
             else:
                 seg.close()
-        for seg in self.spare:  # not mapped by any worker (see SyncReceiver._receive_segment)
+        for seg in self.spare + self.copied:  # not mapped by any worker (see SyncReceiver._receive_segment)
             pool.give(seg) if pool is not None else seg.close()
         self.buckets.clear()
+        self.copies.clear()
+        self.copied.clear()
         self.lent.clear()
         self.spare.clear()
         abort, self.on_abort = self.on_abort, None

@@ -397,6 +397,45 @@ def _patches(store: Any, m: wire.Manifest, new: dict[str, Any], version: int) ->
     return dm, out
 
 
+def test_base_store_copies_streamed_buckets_over_its_own_and_is_in_flux_until_adopted() -> None:
+    """Streaming: ``copy`` writes a staged bucket over the store's held bucket of that index (the same segment: no
+    new pages) and leaves the store without a version until ``adopt``, which keeps those buckets as the base to
+    patch; not in place (asked so, or while another update patches the store), a copy goes into a pool segment,
+    which ``adopt`` takes over."""
+    import numpy as np
+
+    from inference_side.contract import StagedBucket
+
+    store, m, buckets, pool = _store_with_version(_weights(), 1)
+    incoming: list[Any] = []
+    try:
+        held = dict(store.segments)
+        m2 = replace(m, version=2)
+        for b in buckets:
+            seg = pool.take(m.bucket_sizes[b.index])
+            np.frombuffer(seg.buffer, dtype=np.uint8)[:] = np.frombuffer(b.segment.buffer, dtype=np.uint8)[::-1]
+            incoming.append(StagedBucket(b.index, seg, b.specs, b.checksums))
+        first = store.copy(m2, incoming[0], pool)
+        assert first.segment is held[0] and store.holds(first.segment), "copied over the held bucket"
+        assert bytes(first.segment.buffer[:m.bucket_sizes[0]]) == bytes(incoming[0].segment.buffer[:m.bucket_sizes[0]])
+        assert store.version == 0, "in flux until the update is adopted"
+        second = store.copy(m2, incoming[1], pool, in_place=False)
+        assert second.segment is not held[1] and not store.holds(second.segment), "a pool segment"
+        copies = [first, second] + [store.copy(m2, b, pool) for b in incoming[2:]]
+        store.adopt(m2, copies, b"pub", pool)
+        assert store.version == 2 and store.segments[0] is held[0] and store.segments[1] is second.segment
+        assert store.can_patch(replace(m2, version=3), b"other"), "the next delta is patched in place"
+        store.patching = b"other"
+        stray = store.copy(replace(m2, version=3), incoming[0], pool).segment
+        assert not store.holds(stray), "not over the held buckets while another update patches them"
+        stray.close()
+    finally:
+        store.clear()
+        for b in buckets + incoming:
+            b.segment.close()
+        pool.close()
+
+
 def test_base_store_patches_its_own_buckets_and_a_failed_delta_leaves_the_base_bit_identical() -> None:
     """Staged mode: the store adopts the applied buckets (no copy); a delta is patched in place into them, and
     the engine loads those very segments. A delta whose second bucket is corrupt is refused (CorruptPatch)
@@ -724,12 +763,14 @@ def test_a_delta_publish_is_pipelined_bucket_by_bucket(start_receiver: Any) -> N
 
 # ---- a staged delta loaded as each bucket is verified, rolled back through the engine ---------------------------
 
-def test_a_staged_delta_loads_as_verified_and_a_late_failure_restores_the_served_version(start_receiver: Any) -> None:
-    """Into an engine that ``restores``, a staged delta patched in the receiver's base store opens at Begin and
-    each bucket is loaded once verified, before the update's End (dense updates still load after it). When such
-    an update fails after buckets were loaded (a NaN in its last bucket; the engine refusing at finish), the
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_a_delta_loads_as_verified_and_a_late_failure_restores_the_served_version(start_receiver: Any, mode: str) -> None:
+    """Into an engine that ``restores``, a delta patched in the receiver's base store opens at Begin and each
+    bucket is loaded once verified, before the update's End (staged dense updates still load after it). When
+    such an update fails after buckets were loaded (a NaN in its last bucket; the engine refusing at finish), the
     engine is handed the served version back, bit for bit (the store rolled back), and the receiver still holds
-    that version; the updates after it apply."""
+    that version; the updates after it apply. In streaming mode too: the store keeps the dense update's buckets
+    (copied as they were staged), which the deltas are patched into."""
     from bridge.report import ApplyResult
     from trainer_side import WeightPublisher
 
@@ -742,11 +783,13 @@ def test_a_staged_delta_loads_as_verified_and_a_late_failure_restores_the_served
     engine = FakeEngine(keep="bytes", restores=True, on_load=on_load,
                         on_finish=lambda m: ApplyResult(False, "no", FailureKind.OTHER) if m.version == 6 else None)
     # one bucket in flight: bucket i + 1 is sent after bucket i was staged and its load handed to the apply thread
-    rx = start_receiver(BridgeConfig().replace(transport={"bucket_mb": 0.04, "depth": 1}), engine)
+    rx = start_receiver(BridgeConfig().replace(transport={"bucket_mb": 0.04, "depth": 1}, sync={"mode": mode}), engine)
     weights = _weights()
     with WeightPublisher([rx.endpoint], config=_config()) as publisher:
         publisher.publish(weights, version=1)
-        assert all(seen[1]), "a dense staged update loads once every bucket arrived"
+        assert mode == "streaming" or all(seen[1]), "a dense staged update loads once every bucket arrived"
+        wait_until(lambda: rx.bases.version == 1, 5, "the receiver keeping version 1")
+        assert len(rx.bases.segments) == len(engine.manifests[1].bucket_sizes), "the store holds buckets to patch"
         for version in (2, 3):
             _step(weights, seed=version)
             assert publisher.publish(weights, version=version).delta["mode"] == "delta"
