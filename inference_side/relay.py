@@ -137,6 +137,12 @@ class RelayGate(EngineGate):
                 self._changing = False
                 self._members.notify_all()
 
+    @property
+    def forwarding(self) -> int | None:
+        """The version of the update being forwarded to the engines now (None: none is open)."""
+        forward = self._open
+        return forward.version if forward is not None else None
+
     def validate(self, manifest: wire.Manifest) -> str | None:
         return None
 
@@ -284,7 +290,8 @@ class Relay:
         return {"relay": self.name, "endpoint": self._endpoint, "engines": self.gate.endpoints,
                 "names": [names.get(ep, ep) for ep in self.gate.endpoints],
                 "versions": list(self.gate.versions), "latest": self.gate.latest.version,
-                "latest_bytes": self.gate.latest.nbytes, "joins": list(self.joins), "sessions": self.receiver.summary()}
+                "latest_bytes": self.gate.latest.nbytes, "forwarding": self.gate.forwarding, "joins": list(self.joins),
+                "sessions": self.receiver.summary()}
 
     def latest(self) -> int:
         """The newest version this relay received and verified (0: none yet); what a joining engine is sent."""

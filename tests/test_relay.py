@@ -149,7 +149,7 @@ def test_a_receiver_stopped_mid_load_still_aborts_the_open_streaming_update(host
         up.send(0)
         up.wait_engines_staged(1)
         gate = up.relay.gate
-        assert gate._open is not None  # the relay's forward of the update is open
+        assert gate.forwarding == 13  # the relay's forward of the update is open
         entered, release = threading.Event(), threading.Event()
         load = gate.load
 
@@ -163,7 +163,7 @@ def test_a_receiver_stopped_mid_load_still_aborts_the_open_streaming_update(host
         assert entered.wait(10)
         threading.Timer(0.5, release.set).start()
         up.relay.receiver.stop()  # the apply thread is busy loading bucket 1: the abort queues behind it
-        up.wait(lambda: gate._open is None)  # the abort ran and ended the gate's update
+        up.wait(lambda: gate.forwarding is None)  # the abort ran and ended the gate's update
         up.wait(lambda: not any(s["version"] == 13 for r in host["receivers"] for s in r.summary()))
     for g in host["gates"]:
         assert 13 not in g.applied
