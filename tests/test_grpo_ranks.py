@@ -31,11 +31,11 @@ pytestmark = pytest.mark.engine
 
 STEPS = 12
 BIN = Path(sys.executable).parent
-GCS_PORT, DASHBOARD_PORT, TORCHRUN_PORT = 46040, 46041, 46042
-HEAD_PORTS = {"--ray-client-server-port": 46043, "--dashboard-agent-listen-port": 46044,
-              "--dashboard-agent-grpc-port": 46045, "--node-manager-port": 46046, "--object-manager-port": 46047,
-              "--metrics-export-port": 46048, "--runtime-env-agent-port": 46049,
-              "--min-worker-port": 46060, "--max-worker-port": 46099}
+GCS_PORT, DASHBOARD_PORT, TORCHRUN_PORT = 26040, 26041, 26042
+HEAD_PORTS = {"--ray-client-server-port": 26043, "--dashboard-agent-listen-port": 26044,
+              "--dashboard-agent-grpc-port": 26045, "--node-manager-port": 26046, "--object-manager-port": 26047,
+              "--metrics-export-port": 26048, "--runtime-env-agent-port": 26049,
+              "--min-worker-port": 26060, "--max-worker-port": 26099}
 TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # see tests/test_ray_job.py: a private token for every process we start
 RUN_TIMEOUT_S = 900
 

@@ -19,7 +19,7 @@ from tests.rawclient import RawClient
 from tests.test_lora import MAX_RANK, NAME, PREFIX, adapter_spec, adapter_tensors, gen, peft_dir, publish
 
 pytestmark = pytest.mark.engine
-BASE_PORT = 46310  # the LLM engine's receiver (TP rank 0)
+BASE_PORT = 26310  # the LLM engine's receiver (TP rank 0)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import PROMPTS, assert_same_outputs, child_env, oracle
 
 pytestmark = [pytest.mark.engine, pytest.mark.filterwarnings("ignore:TRL currently supports vLLM")]
-HTTP_PORT, BASE_PORT = 47620, 47630
+HTTP_PORT, BASE_PORT = 27620, 27630
 
 
 @pytest.fixture(scope="module")

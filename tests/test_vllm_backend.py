@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import PROMPTS, ROOT, assert_same_outputs, child_env, oracle
 
-BASE_PORT = 47410
+BASE_PORT = 27410
 
 
 def test_backend_is_registered_through_the_entry_point_in_a_fresh_process() -> None:

@@ -23,7 +23,7 @@ from tests.helpers import ROOT, assert_same_outputs, child_env, free_port_in, or
 from tests.ranks import full_weights
 
 pytestmark = pytest.mark.engine
-PORTS = range(46200, 46300)  # this module's: the server, the workers' receivers, the ranks' MASTER_PORT
+PORTS = range(26200, 26300)  # this module's: the server, the workers' receivers, the ranks' MASTER_PORT
 
 
 def _free_ports(n: int) -> list[int]:

@@ -71,7 +71,7 @@ def test_failure_after_loading_began_rolls_back_from_the_host_copy(server: Any) 
 
     url, kind, tp = server["url"], server["kind"], server["tp"]
     trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp,
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 27510, tp_size=tp,
                              config={"sync": {"host_copy": True}}),
         client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(build_model(kind, seed=7)))
     trainer.send_weights()  # version 1: the copy follows it
@@ -111,7 +111,7 @@ def test_http_updates_equal_a_cold_load_and_bad_input_is_refused(server: Any, tm
     served_before = requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"]
     first = int(served_before) + 1 if served_before.isdigit() else 1
     trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp, first_version=first),
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 27510, tp_size=tp, first_version=first),
         client=client, source=None)
     served = []
     for seed in (2, 3):
@@ -173,7 +173,7 @@ def test_pause_modes_with_requests_in_flight(server: Any, cold: dict[int, Any], 
     served = requests.get(f"{server['url']}/weight_info", timeout=10).json()["weight_version"]
     first = int(served) + 1 if served.isdigit() else 1
     trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeInitInfo(rank=0, base_port=free_port() if server["tp"] == 1 else 47510, tp_size=server["tp"],
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if server["tp"] == 1 else 27510, tp_size=server["tp"],
                              pause=mode, first_version=first),
         client=HTTPVLLMWeightSyncClient(server["url"]), source=ModuleSource(build_model(server["kind"], seed=seed)))
     answers: list[Any] = []
@@ -288,7 +288,7 @@ def test_deltas_load_as_they_arrive_and_a_late_failure_restores_the_served_versi
     first = int(served) + 1 if served.isdigit() else 1
     model = build_model(kind, seed=5)
     trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 47510, tp_size=tp, first_version=first,
+        WeightBridgeInitInfo(rank=0, base_port=free_port() if tp == 1 else 27510, tp_size=tp, first_version=first,
                              config={"transport": {"bucket_mb": 0.25}}),  # several buckets: loading begins before the last
         client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
 

@@ -23,7 +23,7 @@ from tests.helpers import ROOT, child_env, vllm_serve, wait_until
 from tests.test_dashboard import CHROMIUM, DomParser, chromium
 
 pytestmark = pytest.mark.engine
-HTTP_PORT, BASE_PORT, DASHBOARD_PORT, CLI_PORT = 47800, 47810, 47820, 47821
+HTTP_PORT, BASE_PORT, DASHBOARD_PORT, CLI_PORT = 27800, 27810, 27820, 27821
 ENGINE = f"vllm@127.0.0.1:{BASE_PORT}"
 
 
