@@ -93,10 +93,11 @@ class SyncConfig:
     # rebuild full tensors from patches. false on either side: dense updates only (a receiver refuses patches
     # with kind ``base`` and its publisher resends dense)
     delta: bool = True
-    # a staged delta patched in the receiver's base store goes to the engine bucket by bucket as each is verified,
-    # not after the last one, into an engine that can put the served version back from that store should the
-    # update fail later (docs/delta.md): the load overlaps the transfer; requests wait from the delta's Begin (a
-    # publisher that stalls mid-delta holds them until deadlines.bucket_s ends the update). false: after the last
+    # a delta patched in the receiver's base store goes to the engine bucket by bucket as each is verified (staged:
+    # not after the last one; streaming: from the store, not a rebuilt copy), into an engine that can put the
+    # served version back from that store should the update fail later (docs/delta.md): the load overlaps the
+    # transfer; requests wait from the delta's Begin (a publisher that stalls mid-delta holds them until
+    # deadlines.bucket_s ends the update). false: after the last bucket (staged), rebuilt (streaming)
     delta_early_load: bool = True
 
     def __post_init__(self) -> None:
