@@ -327,11 +327,21 @@ def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: s
     (the values gathered and the checksum fed while the chunk is in cache, not by random access or a second
     pass afterwards). With ``patch`` the changed elements of ``base`` are overwritten with ``new``'s in the
     same pass, so ``base`` ends as ``new``. One thread: the compare runs while the engines load the buckets
-    before it (a delta is loaded as it arrives), on hosts where trainer and engine may share cores."""
-    import numpy as np
-
+    before it (a delta is loaded as it arrives), on hosts where trainer and engine may share cores. The
+    compare is ``bridge.delta_kernels``' compiled loop where numba is available (one pass over 64-bit words),
+    else numpy's (the same result)."""
     if base.nbytes != new.nbytes or base.nbytes % width:
         raise ValueError(f"changed_positions: {base.nbytes} and {new.nbytes} bytes of {width}-byte elements")
+    kernels = compiled()
+    if kernels is None or width not in (1, 2, 4, 8):
+        return _changed_positions_numpy(base, new, width, checksum, patch)
+    return _changed_positions_compiled(kernels, base, new, width, checksum, patch)
+
+
+def _changed_positions_numpy(base: np.ndarray, new: np.ndarray, width: int, checksum: str | None,
+                             patch: bool) -> tuple[np.ndarray, np.ndarray, int | None]:
+    import numpy as np
+
     old_bits, new_bits = base.view(_uint(width)), new.view(_uint(width))
     numel, step = int(old_bits.size), max(COMPARE_CHUNK_BYTES // width, 1)
     digest = checksums.running(checksum)() if checksum is not None else None
@@ -351,6 +361,61 @@ def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: s
     positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
     values = np.concatenate(xors) if xors else np.zeros(0, dtype=_uint(width))
     return positions.astype(np.int64, copy=False), values, None if digest is None else int(digest.intdigest())
+
+
+def _changed_positions_compiled(kernels: Any, base: np.ndarray, new: np.ndarray, width: int, checksum: str | None,
+                                patch: bool) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """``changed_positions`` over 64-bit words with ``delta_kernels.compare_words``; the bytes after the last
+    whole word (under 8) by numpy. Chunks of ``COMPARE_CHUNK_BYTES`` (a multiple of 8)."""
+    import numpy as np
+
+    nbytes, lanes = int(base.nbytes), 8 // width
+    words = nbytes // 8
+    old64, new64 = base[: words * 8].view("<u8"), new[: words * 8].view("<u8")
+    chunk = COMPARE_CHUNK_BYTES // 8  # words
+    scratch_pos = np.empty(chunk * lanes, dtype=np.int64)
+    scratch_xor = np.empty(chunk * lanes, dtype=np.uint64)
+    digest = checksums.running(checksum)() if checksum is not None else None
+    found, xors = [], []
+    for start in range(0, words, chunk):
+        end = min(start + chunk, words)
+        k = kernels.compare_words(old64[start:end], new64[start:end], lanes, 8 * width, patch, scratch_pos, scratch_xor)
+        if digest is not None:
+            digest.update(new[start * 8:end * 8])
+        if k:
+            found.append(scratch_pos[:k] + start * lanes)
+            xors.append(scratch_xor[:k].astype(_uint(width)))
+    if words * 8 < nbytes:  # the tail: fewer than 8 bytes
+        tail_pos, tail_xor, _ = _changed_positions_numpy(base[words * 8:], new[words * 8:], width, None, patch)
+        if digest is not None:
+            digest.update(new[words * 8:])
+        if tail_pos.size:
+            found.append(tail_pos + words * lanes)
+            xors.append(tail_xor)
+    positions = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    values = np.concatenate(xors) if xors else np.zeros(0, dtype=_uint(width))
+    return positions, values, None if digest is None else int(digest.intdigest())
+
+
+_COMPILED: Any = None  # bridge.delta_kernels once loaded, False where it cannot be
+
+
+def compiled() -> Any:
+    """``bridge.delta_kernels`` (numba's compiled loops), or None where numba does not import or the host is
+    big-endian: callers then take the numpy form, which gives the same results."""
+    global _COMPILED
+    if _COMPILED is None:
+        import sys
+
+        try:
+            if sys.byteorder != "little":
+                raise ImportError("big-endian host")
+            from bridge import delta_kernels
+        except (ImportError, RuntimeError, OSError):  # no numba; numba finding no writable cache location
+            _COMPILED = False
+        else:
+            _COMPILED = delta_kernels
+    return _COMPILED or None
 
 
 def _size(payload: bytes | None, dense_nbytes: int) -> int:
@@ -458,9 +523,12 @@ def patch_in_place(data: np.ndarray, delta: DeltaTensor, undo: list[Any],
         hasher = checksums.running(spec.checksum)()
         step = max(COMPARE_CHUNK_BYTES // width, 1)
         cuts = np.searchsorted(positions, np.arange(step, numel, step, dtype=np.int64)).tolist() + [positions.size]
+        kernels = compiled()
         lo = 0
         for chunk, hi in enumerate(cuts):
-            if hi > lo:
+            if hi > lo and kernels is not None:
+                kernels.patch_sparse(bits, positions, values, old, lo, hi)
+            elif hi > lo:
                 where = positions[lo:hi]
                 old[lo:hi] = bits[where]
                 np.bitwise_xor(old[lo:hi], values[lo:hi], out=values[lo:hi])
@@ -503,25 +571,43 @@ def undo_patches(undo: list[Any]) -> None:
 
 def _sparse_decode(spec: DeltaSpec, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions (int64, strictly increasing, in range) and XOR values of a sparse payload; CorruptPatch
-    when the positions are not."""
+    when the positions are not. ``delta_kernels.decode_sparse`` where numba is available, else numpy."""
     import numpy as np
 
     k, width, numel = spec.changed, spec.itemsize, spec.numel
     iw = index_width(numel)
+    kernels = compiled()
+    if kernels is not None:
+        positions = np.empty(k, dtype=np.int64)
+        values = np.empty(k, dtype=_uint(width))
+        status = kernels.decode_sparse(raw, k, iw, width, numel, positions, values)
+    else:
+        positions, values, status = _sparse_decode_numpy(raw, k, iw, width, numel)
+    if status == 1:
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: sparse positions are not strictly increasing inside {numel} elements")
+    if status == 2:
+        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: sparse positions run past {numel} elements")
+    return positions, values
+
+
+def _sparse_decode_numpy(raw: np.ndarray, k: int, iw: int, width: int, numel: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``_sparse_decode`` by numpy: positions, values and the status of ``delta_kernels.decode_sparse``."""
+    import numpy as np
+
     gaps = np.empty(k, dtype=_uint(iw))
     _unplanes(raw[: k * iw], iw, gaps.view("u1"))
     values = np.empty(k, dtype=_uint(width))
     _unplanes(raw[k * iw :], width, values.view("u1"))
     if k == 0:
-        return np.zeros(0, dtype=np.int64), values
+        return np.zeros(0, dtype=np.int64), values, 0
     # every gap below numel, so a cumulative sum that wrapped would decrease: increasing and the last in
     # range means every position is distinct and inside the tensor
     if int(gaps.max()) >= numel or (k > 1 and int(gaps[1:].min()) == 0):
-        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: sparse positions are not strictly increasing inside {numel} elements")
+        return gaps.astype(np.int64), values, 1
     positions = np.cumsum(gaps, dtype=np.uint64)
     if int(positions[-1]) >= numel or (k > 1 and not bool(np.all(positions[1:] > positions[:-1]))):
-        raise CorruptPatch(f"tensor {spec.name}: corrupt patch: sparse positions run past {numel} elements")
-    return positions.astype(np.int64), values
+        return positions.astype(np.int64), values, 2
+    return positions.astype(np.int64), values, 0
 
 
 def apply(base: torch.Tensor, delta: DeltaTensor, out: torch.Tensor | None = None) -> torch.Tensor:

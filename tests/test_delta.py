@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -509,12 +510,25 @@ def test_wire_form_raises_only_wire_errors(changes: dict[str, object], dropped: 
 # ---- in place: the publisher's compare, the receiver's patch of its own base ------------------------------------
 
 
-@pytest.mark.parametrize("numel", [0, 1, 4099, 9 << 19], ids=["empty", "one", "small", "threaded"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
-def test_changed_positions_are_those_of_the_full_compare(dtype: torch.dtype, numel: int) -> None:
-    """``changed_positions`` (chunked, over two threads above a few chunks) finds exactly the elements whose
-    bit patterns differ, in order, and the checksum of ``new`` is the one-shot one; ``encode_bytes`` given
-    them makes the very payload it makes without."""
+def _form(name: str) -> Any:
+    """``changed_positions``'s compiled (numba) or numpy form, as a function of ``changed_positions``' arguments."""
+    if name == "numpy":
+        return lambda b, n, w, c=None, patch=False: delta._changed_positions_numpy(b, n, w, c, patch)
+    kernels = delta.compiled()
+    if kernels is None:
+        pytest.skip("numba is not importable here: only the numpy form runs")
+    return lambda b, n, w, c=None, patch=False: delta._changed_positions_compiled(kernels, b, n, w, c, patch)
+
+
+@pytest.mark.parametrize("form", ["compiled", "numpy"])
+@pytest.mark.parametrize("numel", [0, 1, 4099, 9 << 19], ids=["empty", "one", "small", "chunks"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64], ids=str)
+def test_changed_positions_are_those_of_the_full_compare(dtype: torch.dtype, numel: int, form: str) -> None:
+    """``changed_positions`` in both forms (the compiled one over 64-bit words and the bytes after the last,
+    numpy's per element; chunk by chunk) finds exactly the elements whose bit patterns differ, in order, and
+    the checksum of ``new`` is the one-shot one; ``encode_bytes`` given them makes the very payload it makes
+    without."""
+    changed_positions = _form(form)
     gen = torch.Generator().manual_seed(numel)
     base = random_tensor((numel,), dtype, gen)
     new = rl_step(base, 0.01, gen)
@@ -522,22 +536,82 @@ def test_changed_positions_are_those_of_the_full_compare(dtype: torch.dtype, num
         new.view(-1)[-1] = base.view(-1)[-1] + 1  # the last element too (the tail's last chunk)
     old_b, new_b = delta.tensor_bytes(base), delta.tensor_bytes(new)
     width = base.element_size()
-    positions, values, total = delta.changed_positions(old_b, new_b, width, "xxh3")
+    positions, values, total = changed_positions(old_b, new_b, width, "xxh3")
     u = f"<u{width}"
     expected = np.flatnonzero(old_b.view(u) != new_b.view(u))
     assert positions.dtype == np.int64 and np.array_equal(positions, expected)
-    assert np.array_equal(values, old_b.view(u)[expected] ^ new_b.view(u)[expected])
+    assert values.dtype == np.dtype(u) and np.array_equal(values, old_b.view(u)[expected] ^ new_b.view(u)[expected])
     assert total == checksums.function("xxh3")(new_b)
-    assert delta.changed_positions(old_b, new_b, width)[2] is None
+    assert changed_positions(old_b, new_b, width)[2] is None
     name, dtype_s = "model.layers.0.w", delta.dtype_name(base)
     for encodings in (delta.ENCODINGS, ("xor", "dense")):
         plain = delta.encode_bytes(old_b, new_b, name=name, dtype=dtype_s, shape=(numel,), base_version=3, encodings=encodings)
         patched = old_b.copy()  # with patch, the base ends as new, and the encode from the values does not read it
-        again = delta.changed_positions(patched, new_b, width, patch=True)
+        again = changed_positions(patched, new_b, width, patch=True)
         assert patched.tobytes() == new_b.tobytes() and np.array_equal(again[0], positions)
         given_ = delta.encode_bytes(patched, new_b, name=name, dtype=dtype_s, shape=(numel,), base_version=3,
                                     encodings=encodings, base_checksum=plain.spec.base_checksum, positions=again[0], values=again[1])
         assert given_.spec == plain.spec and bytes(given_.payload) == bytes(plain.payload)
+
+
+@pytest.mark.parametrize("form", ["compiled", "numpy"])
+@pytest.mark.parametrize("offset", [1, 2, 6])
+def test_changed_positions_reads_bytes_at_any_offset(offset: int, form: str) -> None:
+    """A tensor's bytes start anywhere in a segment (its offset in a bucket): both forms give the same
+    positions, values, checksum and patched base when the uint8 arrays are not 8-byte aligned."""
+    changed_positions = _form(form)
+    gen = torch.Generator().manual_seed(offset)
+    base = random_tensor((70_001,), torch.bfloat16, gen)
+    new = rl_step(base, 0.02, gen)
+    buf_old, buf_new = np.zeros(base.numel() * 2 + 8, np.uint8), np.zeros(base.numel() * 2 + 8, np.uint8)
+    old_b, new_b = buf_old[offset:offset + base.numel() * 2], buf_new[offset:offset + base.numel() * 2]
+    old_b[:], new_b[:] = delta.tensor_bytes(base), delta.tensor_bytes(new)
+    expected = np.flatnonzero(old_b.view("<u2") != new_b.view("<u2"))
+    xors = old_b.view("<u2")[expected] ^ new_b.view("<u2")[expected]
+    positions, values, total = changed_positions(old_b, new_b, 2, "xxh3", patch=True)
+    assert np.array_equal(positions, expected) and np.array_equal(values, xors) and expected.size
+    assert total == checksums.function("xxh3")(new_b) and old_b.tobytes() == new_b.tobytes()
+
+
+def _sparse_payload(gaps: list[int], values: list[int], iw: int, width: int) -> np.ndarray:
+    return np.concatenate([delta._planes(np.array(gaps, dtype=f"<u{iw}"), iw), delta._planes(np.array(values, dtype=f"<u{width}"), width)])
+
+
+@pytest.mark.parametrize(("gaps", "numel", "status"), [
+    ([3, 1, 5, 2], 20, 0),
+    ([0, 1, 1], 3, 0),
+    ([], 5, 0),
+    ([3, 0, 5], 20, 1),   # a zero gap after the first: a position twice
+    ([25, 1], 20, 1),     # a gap past the tensor
+    ([10, 9, 9], 20, 2),  # every gap inside, the sum past it
+    ([10, 10], 20, 2),    # the last position one past the end
+], ids=["ok", "from-zero", "empty", "repeat", "gap-past", "sum-past", "sum-at-end"])
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_sparse_decode_forms_agree(gaps: list[int], numel: int, status: int, width: int) -> None:
+    """The compiled sparse decode gives the numpy one's positions, values and verdict (0 ok, 1 not strictly
+    increasing inside the tensor, 2 past its end), and ``_sparse_decode`` raises CorruptPatch for both."""
+    iw = delta.index_width(numel)
+    values = [(0x9E3779B97F4A7C15 * (i + 1)) % (1 << (8 * width)) or 1 for i in range(len(gaps))]
+    raw = _sparse_payload(gaps, values, iw, width)
+    positions, decoded, got = delta._sparse_decode_numpy(raw, len(gaps), iw, width, numel)
+    assert got == status
+    if status == 0:
+        assert positions.tolist() == np.cumsum(gaps).tolist() and decoded.tolist() == values
+    kernels = delta.compiled()
+    if kernels is None:
+        pytest.skip("numba is not importable here: only the numpy form runs")
+    positions_c, decoded_c = np.empty(len(gaps), np.int64), np.empty(len(gaps), f"<u{width}")
+    assert kernels.decode_sparse(raw, len(gaps), iw, width, numel, positions_c, decoded_c) == status
+    if status == 0:
+        assert np.array_equal(positions_c, positions) and np.array_equal(decoded_c, decoded)
+    spec = delta.DeltaSpec(name="t", dtype={1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}[width], shape=(numel,),
+                           encoding="sparse", codec="none", base_version=1, base_checksum=0, result_checksum=0,
+                           checksum="crc32", nbytes=raw.nbytes, dense_nbytes=numel * width, changed=len(gaps))
+    if status:
+        with pytest.raises(CorruptPatch, match="not strictly increasing" if status == 1 else "run past"):
+            delta._sparse_decode(spec, raw)
+    else:
+        assert np.array_equal(delta._sparse_decode(spec, raw)[0], positions)
 
 
 @pytest.mark.parametrize("encoding", delta.ENCODINGS)
