@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from bridge import wire
-from bridge.delta import BucketDelta, DeltaTensor, apply_bytes, patch_in_place, undo_patches
+from bridge.delta import BucketDelta, DeltaTensor, apply_bytes, patch_in_place, undo_patches, warm_compiled
 from bridge.errors import ChecksumError, NonFiniteError, WrongBase
 from bridge.finite import all_finite
 from bridge.shm import Segment, SegmentPool
@@ -194,6 +194,7 @@ class BaseStore:
         self.tensors, self.sums, self.algorithm = tensors, sums, manifest.checksum
         self.layout = (manifest.tensors, manifest.bucket_sizes)
         self.version = manifest.version
+        warm_compiled()  # a delta may come next: its patch loops loaded meanwhile (once per process)
         return kept
 
     def copy(self, manifest: wire.Manifest, bucket: StagedBucket, pool: SegmentPool, in_place: bool = True) -> StagedBucket:
@@ -271,6 +272,7 @@ class BaseStore:
             self.tensors[name] = data
             self.sums[name] = checksum
         self.version = manifest.version
+        warm_compiled()  # a delta may come next: its patch loops loaded meanwhile (once per process)
 
     def check(self, manifest: wire.Manifest) -> None:
         """Refuse (``WrongBase``, kind ``base``) a delta whose base is not what this receiver holds: nothing

@@ -50,6 +50,7 @@ from bridge.delta import (
     changed_positions,
     encode_bytes,
     update_telemetry,
+    warm_compiled,
 )
 from bridge.report import FailureKind
 from bridge.sender import PublishReport, UpdateSender
@@ -268,6 +269,7 @@ class DeltaSender(UpdateSender):
     def _publish_delta(self, manifest: wire.Manifest, plan: PackPlan, tensors: list[Any], t_start: float) -> PublishReport:
         """Publish ``manifest`` (full layout of ``plan``): as a delta against the bases where it pays and the
         engines serve them, else dense; raise UpdateFailed unless every engine applied it (module doc)."""
+        warm_compiled()  # the compare loops, loaded while this (first: dense) version is sent (once per process)
         base, self.bases = self.bases, None  # its buffers go to the new version bucket by bucket
         new = Snapshot.empty(manifest)
         report = self._send_delta(base, new, manifest, plan, tensors, t_start)
