@@ -333,7 +333,7 @@ def changed_positions(base: np.ndarray, new: np.ndarray, width: int, checksum: s
     if base.nbytes != new.nbytes or base.nbytes % width:
         raise ValueError(f"changed_positions: {base.nbytes} and {new.nbytes} bytes of {width}-byte elements")
     kernels = compiled()
-    if kernels is None or width not in (1, 2, 4, 8):
+    if kernels is None or width not in (1, 2, 4, 8) or not base.flags.writeable:  # numba types the loop's write to base
         return _changed_positions_numpy(base, new, width, checksum, patch)
     return _changed_positions_compiled(kernels, base, new, width, checksum, patch)
 

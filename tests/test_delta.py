@@ -573,6 +573,16 @@ def test_changed_positions_reads_bytes_at_any_offset(offset: int, form: str) -> 
     assert total == checksums.function("xxh3")(new_b) and old_b.tobytes() == new_b.tobytes()
 
 
+def test_changed_positions_takes_read_only_arrays() -> None:
+    """Bytes a caller cannot write (a received frame, a mapped file): a read-only ``new`` takes the compiled
+    form, a read-only ``base`` (without ``patch``) the numpy one, with the same answer."""
+    old, new = bytes(range(256)) * 40, bytes((i * 7) % 256 for i in range(256)) * 40
+    want = np.flatnonzero(np.frombuffer(old, "<u2") != np.frombuffer(new, "<u2"))
+    for base in (np.frombuffer(old, np.uint8), np.frombuffer(old, np.uint8).copy()):
+        positions, _, total = delta.changed_positions(base, np.frombuffer(new, np.uint8), 2, "crc32")
+        assert np.array_equal(positions, want) and total == zlib.crc32(new)
+
+
 def _sparse_payload(gaps: list[int], values: list[int], iw: int, width: int) -> np.ndarray:
     return np.concatenate([delta._planes(np.array(gaps, dtype=f"<u{iw}"), iw), delta._planes(np.array(values, dtype=f"<u{width}"), width)])
 
