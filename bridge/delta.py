@@ -372,7 +372,7 @@ def _changed_positions_compiled(kernels: Any, base: np.ndarray, new: np.ndarray,
     nbytes, lanes = int(base.nbytes), 8 // width
     words = nbytes // 8
     old64, new64 = base[: words * 8].view("<u8"), new[: words * 8].view("<u8")
-    chunk = COMPARE_CHUNK_BYTES // 8  # words
+    chunk = min(COMPARE_CHUNK_BYTES // 8, max(words, 1))  # words; the scratch no larger than the tensor
     scratch_pos = np.empty(chunk * lanes, dtype=np.int64)
     scratch_xor = np.empty(chunk * lanes, dtype=np.uint64)
     digest = checksums.running(checksum)() if checksum is not None else None
