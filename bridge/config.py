@@ -123,6 +123,11 @@ class ProbeConfig:
     max_mean_abs_logprob_diff: float = 0.05
 
 
+# serve.engine_core_spin_s "auto" on a CPU host: longer than a small model's decode step (so generation keeps its
+# latency), far shorter than a bucket's load in an update (docs/benchmarks.md, "The engine core's spin")
+AUTO_ENGINE_CORE_SPIN_S = 0.005
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"
@@ -136,14 +141,24 @@ class ServeConfig:
     # leaves vLLM's value. Longer than the gap between generation steps, so generation keeps its latency,
     # short enough that a sync does not share a core with an idle, spinning worker (inference_side/idle_spin.py)
     worker_idle_spin_s: float | None = 0.05
+    # seconds vLLM's engine core busy-waits for its workers' answers after each (vLLM: 1 s, so it spins through
+    # every RPC of an update, a core taken from the worker's load on a small host); null leaves vLLM's value;
+    # "auto": AUTO_ENGINE_CORE_SPIN_S where vLLM runs on CPU, vLLM's value on GPUs (where a spinning engine
+    # core costs nothing and a shorter spin adds wake-up latency to decode steps). Applied when the engine
+    # starts (bridge/vllm_plugin.py, WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S)
+    engine_core_spin_s: float | str | None = "auto"
     # receivers remove vLLM's own shared-memory segments (/dev/shm/psm_*) of engines that were killed when they
     # start: those no live process maps or holds open (bridge/vllm_shm.py)
     sweep_vllm_shm: bool = True
 
     def __post_init__(self) -> None:
-        spin = self.worker_idle_spin_s
-        if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or spin < 0):
-            raise ConfigError(f"serve.worker_idle_spin_s must be null or seconds >= 0, got {spin!r}")
+        for key in ("worker_idle_spin_s", "engine_core_spin_s"):
+            spin = getattr(self, key)
+            if key == "engine_core_spin_s" and spin == "auto":
+                continue
+            if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin < float("inf")):
+                also = ', "auto"' if key == "engine_core_spin_s" else ""
+                raise ConfigError(f"serve.{key} must be null{also} or seconds >= 0, got {spin!r}")
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,13 @@ def apply_cpu_defaults(tp_size: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp_size, os.cpu_count() or 1))
 
 
-def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dict[str, Any]) -> Any:
+def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dict[str, Any],
+              engine_core_spin_s: float | str | None = None) -> Any:
     """A ``vllm.LLM`` with the weight-sync worker extension (``llm_kwargs["worker_extension_cls"]`` may name a
-    subclass of it) and this machine's CPU defaults; ``llm_kwargs`` override the defaults."""
+    subclass of it) and this machine's CPU defaults; ``llm_kwargs`` override the defaults.
+    ``engine_core_spin_s`` (seconds; ``"auto"``: ``AUTO_ENGINE_CORE_SPIN_S`` on CPU, None elsewhere; None leaves
+    vLLM's) goes to the engine core through ``WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S`` (bridge/vllm_plugin.py), set in
+    this process's environment only while the engine starts."""
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -41,6 +45,24 @@ def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dic
         apply_cpu_defaults(tensor_parallel_size)
         kwargs["enforce_eager"] = True
     kwargs.update(llm_kwargs)
+    if engine_core_spin_s == "auto":
+        from bridge.config import AUTO_ENGINE_CORE_SPIN_S
+
+        engine_core_spin_s = AUTO_ENGINE_CORE_SPIN_S if current_platform.is_cpu() else None
     logger.info("starting vLLM engine for %s (tp=%s, dtype=%s)", model, tensor_parallel_size, dtype)
-    return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,  # type: ignore[arg-type]
-               **kwargs)
+    if engine_core_spin_s is None:
+        return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,  # type: ignore[arg-type]
+                   **kwargs)
+    from bridge.vllm_plugin import ENGINE_CORE_SPIN_ENV, _tune_engine_core_spin
+
+    previous = os.environ.get(ENGINE_CORE_SPIN_ENV)
+    os.environ[ENGINE_CORE_SPIN_ENV] = repr(float(engine_core_spin_s))  # type: ignore[arg-type]
+    try:
+        _tune_engine_core_spin()  # an engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) is tuned too
+        return LLM(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,  # type: ignore[arg-type]
+                   **kwargs)
+    finally:
+        if previous is None:
+            os.environ.pop(ENGINE_CORE_SPIN_ENV, None)
+        else:
+            os.environ[ENGINE_CORE_SPIN_ENV] = previous

@@ -98,6 +98,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("idle-spin-negative", {"serve": {"worker_idle_spin_s": -0.1}}, "serve.worker_idle_spin_s must be null or seconds >= 0, got -0.1"),
     ("idle-spin-str", {"serve": {"worker_idle_spin_s": "1s"}}, "serve.worker_idle_spin_s must be null or seconds >= 0, got '1s'"),
     ("idle-spin-bool", {"serve": {"worker_idle_spin_s": False}}, "serve.worker_idle_spin_s must be null or seconds >= 0, got False"),
+    ("core-spin-negative", {"serve": {"engine_core_spin_s": -1}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got -1"),
+    ("core-spin-word", {"serve": {"engine_core_spin_s": "fast"}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got 'fast'"),
+    ("core-spin-inf", {"serve": {"engine_core_spin_s": float("inf")}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got inf"),
 ]
 
 

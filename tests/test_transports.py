@@ -274,6 +274,24 @@ def test_bridge_threads_and_engine_core_stay_off_the_tp_workers_cores(engine: An
                 pass
 
 
+def test_the_engine_core_starts_with_the_bridge_spin_and_the_actor_does_not_keep_it(engine: Any) -> None:
+    """serve.engine_core_spin_s ("auto": 0.005 s on CPU) reaches vLLM's engine core process through the
+    environment it starts with (bridge/vllm_plugin.py applies it there: tests/test_idle_spin.py); the actor's
+    own environment is restored once the engine started."""
+    import psutil
+    import ray
+
+    from bridge.config import AUTO_ENGINE_CORE_SPIN_S
+    from bridge.vllm_plugin import ENGINE_CORE_SPIN_ENV
+
+    actor = engine["actor"]
+    procs = [psutil.Process(p) for p in ray.get(actor.pids.remote())]
+    cores = [p for p in procs if p.name() == "VLLM::EngineCore"]
+    assert len(cores) == 1, [(p.pid, p.name()) for p in procs]
+    assert cores[0].environ().get(ENGINE_CORE_SPIN_ENV) == repr(AUTO_ENGINE_CORE_SPIN_S), cores[0].environ().get(ENGINE_CORE_SPIN_ENV)
+    assert ENGINE_CORE_SPIN_ENV not in procs[0].environ()  # the actor (pids() lists it first)
+
+
 def test_an_idle_worker_stops_spinning_soon_after_an_rpc(engine: Any) -> None:
     """vLLM's worker busy-waits 1 s for its next RPC after each one; with serve.worker_idle_spin_s (0.05 s
     by default) it sleeps instead, leaving the core to the trainer and the receiver of the next sync."""
