@@ -92,6 +92,8 @@ class ReloadSession:
         rec = reload_hooks.RECORDER
         rec.reset()
         rec.active = True
+        reload_hooks.SCRATCH.drop()  # whatever an earlier session left lent
+        reload_hooks.SCRATCH.active = True
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
         self._begun = True
@@ -213,6 +215,7 @@ class ReloadSession:
             finalize_layerwise_reload(self.model, self.model_config)
             self._finalized = True
             reload_hooks.RECORDER.active = False
+            reload_hooks.SCRATCH.active = False
             self.timings["finalize"] += time.perf_counter() - t0
             t1 = time.perf_counter()
             refreshed = refresh_backend_aliases(self.model, self.state.sinks)
@@ -227,10 +230,13 @@ class ReloadSession:
             load_calls=self.load_calls, runs_stopped=not self._runs_ok, skipped=tuple(self.skipped),
             aliases_refreshed=refreshed,
         )
+        if problems or moved:
+            reload_hooks.SCRATCH.drop()
         if problems:
             raise AuditError("stale after update: " + "; ".join(problems), problems)
         if moved:
             raise IdentityError("storage changed during update: " + "; ".join(moved), moved)
+        reload_hooks.SCRATCH.settle()  # the reload's large scratch tensors, for the next update
         return report
 
     def abort(self) -> None:
@@ -238,6 +244,8 @@ class ReloadSession:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         reload_hooks.RECORDER.active = False
+        reload_hooks.SCRATCH.active = False
+        reload_hooks.SCRATCH.drop()
         if self._begun and not self._finalized:
             import torch
 

@@ -316,6 +316,13 @@ class WeightSyncWorker:
             }
         return out
 
+    def wb_memory(self) -> dict[str, int]:
+        """Host memory this rank's bridge holds between updates: the reload's kept scratch tensors
+        (``reload_hooks.ScratchPool``)."""
+        from inference_side import reload_hooks
+
+        return {"reload_scratch_bytes": reload_hooks.SCRATCH.nbytes}
+
     def wb_bypass(self) -> list[str]:
         return sorted(self._wb_state.bypass) if self._wb_state else []
 

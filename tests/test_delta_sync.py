@@ -93,6 +93,36 @@ def test_delta_syncs_in_a_row_equal_cold_load(engine: Any, tmp_path: Any) -> Non
     assert_same_outputs(generate(actor), cold)
 
 
+def test_a_50m_engine_keeps_its_reload_scratch_and_equals_cold_load(ray_session: Any, checkpoints: Any, tmp_path: Any) -> None:
+    """At 50m the embedding and the LM head (32.8 MB each) are materialized by the reload into the pool's kept
+    tensors (inference_side/reload_hooks.py ``ScratchPool``) from the second update on; after a dense update and
+    two deltas the engine still equals one cold-loaded from the last version."""
+    from devtools.tiny_models import build_model, save_checkpoint
+    from inference_side import InferenceActor
+    from trainer_side import WeightPublisher
+
+    actor = InferenceActor.remote(model=str(checkpoints("50m", 1)), tensor_parallel_size=1, dtype="bfloat16")
+    try:
+        endpoint = ray_session.get(actor.endpoint.remote(), timeout=600)
+        embedding = 32000 * 512 * 2
+        assert ray_session.get(actor.collective_rpc.remote("wb_memory"))[0]["reload_scratch_bytes"] == 0
+        model = build_model("50m", 2)
+        with WeightPublisher([endpoint]) as publisher:
+            for version in (2, 3, 4):
+                if version > 2:
+                    rl_step(model, seed=version)
+                report = publisher.publish(model.named_parameters(), version=version)
+                assert report.ok and report.engines[0].verified, report
+                assert report.delta["mode"] == ("dense" if version == 2 else "delta"), report.delta
+                (memory,) = ray_session.get(actor.collective_rpc.remote("wb_memory"))
+                assert memory["reload_scratch_bytes"] == 2 * embedding, memory
+        (cold,) = oracle([save_checkpoint(model, tmp_path / "v4")], 1, "bfloat16")
+        assert_same_outputs(generate(actor), cold)
+    finally:
+        ray_session.get(actor.shutdown.remote())
+        ray_session.kill(actor)
+
+
 def test_delta_on_another_publishers_version_is_refused_and_resent_dense(engine: Any) -> None:
     import ray
 

@@ -1,0 +1,88 @@
+"""The reload's scratch pool (inference_side/reload_hooks.py ``ScratchPool``) on real torch tensors: what it
+keeps between updates and what it must never keep. The engine-level check (a 50m engine whose embedding and
+LM head go through the pool stays bit-exact over updates) is in tests/test_delta_sync.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+class Param(torch.Tensor):
+    """Stands for vLLM's parameter classes: materialization gives the tensor the placeholder's class and
+    attributes."""
+
+
+def placeholder(shape: tuple[int, ...] = (64, 32)) -> torch.Tensor:
+    meta = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    meta.__class__ = Param
+    meta.weight_loader = "its loader"  # type: ignore[attr-defined]
+    return meta
+
+
+def vllm_materialize(meta: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's ``materialize_meta_tensor``."""
+    tensor = torch.empty_strided(size=tuple(meta.size()), stride=tuple(meta.stride()), dtype=meta.dtype, requires_grad=False)
+    tensor.__class__ = meta.__class__
+    tensor.__dict__ = meta.__dict__.copy()
+    return tensor
+
+
+def pool(min_bytes: int = 1024) -> object:
+    from inference_side.reload_hooks import ScratchPool
+
+    p = ScratchPool(min_bytes=min_bytes)
+    p.active = True
+    return p
+
+
+def test_a_settled_tensor_nothing_else_holds_is_lent_again() -> None:
+    p = pool()
+    first = p.materialize(vllm_materialize, placeholder())
+    ptr = first.data_ptr()
+    first.fill_(1)
+    del first
+    p.settle()
+    assert p.nbytes == 64 * 32 * 2
+    again = p.materialize(vllm_materialize, placeholder())
+    assert again.data_ptr() == ptr and type(again) is Param and again.weight_loader == "its loader"
+    assert tuple(again.shape) == (64, 32) and again.dtype == torch.bfloat16 and not again.requires_grad
+    assert p.nbytes == 0  # lent out again
+
+
+@pytest.mark.parametrize("holder", ["python reference", "view of its storage", "dropped update"])
+def test_what_something_else_may_still_read_is_never_kept(holder: str) -> None:
+    p = pool()
+    tensor = p.materialize(vllm_materialize, placeholder())
+    kept: list[torch.Tensor] = []
+    if holder == "python reference":
+        kept.append(tensor)
+    elif holder == "view of its storage":
+        kept.append(tensor[3:5])  # a kernel handle or an alias would hold the storage like this
+    del tensor
+    if holder == "dropped update":
+        p.drop()
+    p.settle()
+    assert p.nbytes == 0
+    fresh = p.materialize(vllm_materialize, placeholder())
+    assert all(fresh.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() for k in kept)
+
+
+def test_small_tensors_inactive_pools_and_other_devices_take_vllms_path() -> None:
+    calls = []
+
+    def counting(meta: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(meta.shape))
+        return vllm_materialize(meta)
+
+    small = pool(min_bytes=64 * 32 * 2 + 1)
+    small.materialize(counting, placeholder())
+    idle = pool()
+    idle.active = False
+    idle.materialize(counting, placeholder())
+    meta_device = pool()
+    with torch.device("meta"):
+        meta_device.materialize(lambda m: m, placeholder())
+    assert calls == [(64, 32), (64, 32)]
+    assert not small.lent and not idle.lent and not meta_device.lent
