@@ -27,6 +27,7 @@ ENGINE_CORE_SPIN_ENV = "WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S"
 # with a short spin every wait relies on the writer's notification, which vLLM can lose (it rechecks its queue
 # every 5 s for that reason): waits recheck this often instead
 RECHECK_MS = 1
+KEEP_SPIN = "vllm"  # the variable's value that keeps vLLM's spin and only shortens the recheck
 
 
 def register() -> None:
@@ -47,29 +48,35 @@ def register() -> None:
         logger.warning("weight_bridge: could not register the backend: %s", exc)
 
 
-def _spin_from_env() -> float | None:
-    """``WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S`` as seconds, None when unset or not seconds >= 0 (logged)."""
+def _spin_from_env() -> tuple[bool, float | None]:
+    """``WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S``: (readers recheck every ``RECHECK_MS``, the engine core's spin in
+    seconds or None to keep vLLM's). Unset, or not ``vllm`` or seconds >= 0 (logged): (False, None)."""
     import os
 
     raw = os.environ.get(ENGINE_CORE_SPIN_ENV)
     if raw is None:
-        return None
+        return False, None
+    if raw == KEEP_SPIN:
+        return True, None
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not 0 <= seconds < float("inf"):
-        logger.warning("weight_bridge: %s=%r is not seconds >= 0: vLLM's message-queue spin left as it is",
-                       ENGINE_CORE_SPIN_ENV, raw)
-        return None
-    return seconds
+        logger.warning("weight_bridge: %s=%r is neither %r nor seconds >= 0: vLLM's message queue left as it is",
+                       ENGINE_CORE_SPIN_ENV, raw, KEEP_SPIN)
+        return False, None
+    return True, seconds
 
 
 def _tune_engine_core_spin() -> None:
-    """While ``WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S`` is set (seconds >= 0), each reader of vLLM's shared-memory
+    """While ``WEIGHT_BRIDGE_ENGINE_CORE_SPIN_S`` is set to seconds >= 0, each reader of vLLM's shared-memory
     message queue made in this process, unless it is a TP worker's (those: ``serve.worker_idle_spin_s``),
-    busy-waits that long after each message instead of vLLM's 1 s; and each reader made while it is set
-    rechecks its queue every ``RECHECK_MS`` while it sleeps instead of every 5 s.
+    busy-waits that long after each message instead of vLLM's 1 s; and each reader made while it is set (to
+    seconds or to ``vllm``, which keeps vLLM's spin) rechecks its queue every ``RECHECK_MS`` while it sleeps
+    instead of every 5 s: a reader that spins less waits on vLLM's wake-up notification more often, and
+    vLLM loses some (a 0 s spin stalled 2 of 15 syncs for 5.7 s), so a TP worker with
+    ``serve.worker_idle_spin_s`` needs the recheck even where the engine core keeps its spin.
 
     The engine core waits for its workers' answers in such a reader: with vLLM's 1 s it spins a core through
     every RPC of an update (0.3-0.5 CPU-seconds per 350m delta sync on 2 cores, beside the worker's load and
@@ -77,7 +84,7 @@ def _tune_engine_core_spin() -> None:
     is unset keep vLLM's behaviour, as does a vLLM without the class. Never raises."""
     import multiprocessing
 
-    if _spin_from_env() is None:
+    if not _spin_from_env()[0]:
         return
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
@@ -89,10 +96,10 @@ def _tune_engine_core_spin() -> None:
 
     def __init__(self: Any, is_reader: bool, *args: Any, **kwargs: Any) -> None:
         init(self, is_reader, *args, **kwargs)
-        seconds = _spin_from_env() if is_reader else None
-        if seconds is not None:
+        recheck, seconds = _spin_from_env() if is_reader else (False, None)
+        if recheck:
             self._weight_bridge_recheck = True
-            if not multiprocessing.current_process().name.startswith("VllmWorker"):
+            if seconds is not None and not multiprocessing.current_process().name.startswith("VllmWorker"):
                 self.busy_loop_s = seconds
 
     def recheck(self: Any, timeout_ms: int | None = None) -> None:

@@ -126,7 +126,8 @@ class InferenceServer(EngineGate):
         # the workers' side of every update is the weight_bridge backend (inference_side/vllm_backend.py)
         self.llm = start_llm(self.model_path, tensor_parallel_size, dtype,
                              {"weight_transfer_config": {"backend": BACKEND}, **llm_kwargs},
-                             engine_core_spin_s=self.config.serve.engine_core_spin_s)
+                             engine_core_spin_s=self.config.serve.engine_core_spin_s,
+                             recheck=self.config.serve.worker_idle_spin_s is not None)
         self._session = False  # vLLM's weight-update session is open (start_weight_update .. finish_weight_update)
         self.setup = self.llm.collective_rpc("wb_setup")
         if self.config.serve.worker_idle_spin_s is not None:
