@@ -67,6 +67,7 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
     """The scenario: 3 engines (one per node) start without weights and refuse to generate; v1, v2 published
     (one copy per node); an engine added at v2 on node a; an engine on node b killed and restarted by Ray while
     v3 is published, every engine then generates at v3; the relay of node a killed, v4 published."""
+    import psutil
     import ray
 
     from apps.fleet import Fleet, FleetUpdateFailed
@@ -120,8 +121,15 @@ def run(cluster: Any, tmp_path_factory: Any) -> Any:
         # kill node b's engine (Ray restarts it); v3 is published while it is down
         victim = next(n for n in seen["first"] if fleet.members[n].node == node_b)
         seen["victim"] = victim
+        old_pids = ray.get(fleet.members[victim].handle.status.remote(), timeout=60)["cores"]["worker_pids"]
         t0 = time.monotonic()
         ray.kill(fleet.members[victim].handle, no_restart=False)
+        # ray.kill returns before the actor dies: a probe that reaches it first sees it alive. Wait until its
+        # vLLM workers (which exit with it) are gone, long before Ray's restart of it can serve again
+        gone = time.monotonic() + 60
+        while any(psutil.pid_exists(p) for p in old_pids) and time.monotonic() < gone:
+            time.sleep(0.2)
+        assert not any(psutil.pid_exists(p) for p in old_pids), f"{victim}'s workers {old_pids} outlived its kill by 60 s"
         seen["v3"] = publish(3)
         deadline = time.monotonic() + 600
         status: dict[str, Any] = {}
