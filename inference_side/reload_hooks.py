@@ -68,8 +68,10 @@ class ScratchPool:
         size, stride = tuple(meta_tensor.size()), tuple(meta_tensor.stride())
         span = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
         nbytes = span * meta_tensor.element_size()
+        if nbytes < self.min_bytes:
+            return original(meta_tensor)
         probe = torch.empty(0, dtype=meta_tensor.dtype)  # on the device the reload's context names
-        if nbytes < self.min_bytes or probe.device.type != "cpu":
+        if probe.device.type != "cpu":
             return original(meta_tensor)
         pooled = self.free.get(nbytes)
         if not pooled:
