@@ -21,7 +21,8 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,3 +306,38 @@ def handshake_failure(monitor: Any, curve: ClientCurve | None, peer: str = "engi
             why = (f"CURVE authentication failed: wrong server key (transport.curve_server_public is not the "
                    f"{peer}'s public key), or the {peer} does not use CURVE")
     return why
+
+
+def send_connected(sock: Any, parts: list[Any], within_s: float, check_refused: Callable[[], None], peer: str) -> Any:
+    """Send the multipart message ``parts`` on the client socket ``sock`` (DEALER), waiting at most ``within_s``
+    seconds for a connection to take it; return the tracker of the last part when there are several parts (None
+    for one). A connecting socket whose security handshake failed has no connection, for good: a blocking send
+    would wait forever. So every wait calls ``check_refused()``, which raises when the handshake failed (from
+    ``handshake_failure`` of the socket's monitor), and DeadlineExceeded names ``peer`` when no connection took
+    the message in time. The message goes whole or not at all, except when the connection closes between its
+    parts (TransportError; ZeroMQ drops what went)."""
+    import zmq
+
+    from bridge.errors import DeadlineExceeded
+
+    more = zmq.SNDMORE if len(parts) > 1 else 0
+    end = None
+    while True:
+        try:  # ZeroMQ checks for room at a message's first part only
+            sock.send(parts[0], zmq.NOBLOCK | more, copy=False)
+            break
+        except zmq.Again:
+            now = time.monotonic()
+            end = now + within_s if end is None else end
+            check_refused()
+            if now >= end:
+                raise DeadlineExceeded(f"{peer} took no message within {within_s}s: no connection") from None
+            time.sleep(0.005)  # poll(POLLOUT) is no help: it says writable while the refused session goes away
+    tracker = None
+    for i, part in enumerate(parts[1:], 2):
+        last = i == len(parts)
+        try:
+            tracker = sock.send(part, zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=False, track=last)
+        except zmq.Again:
+            raise TransportError(f"the connection to {peer} closed in the middle of a message") from None
+    return tracker

@@ -21,7 +21,7 @@ from typing import Any, Self
 from bridge import wire
 from bridge.checksums import preferred as preferred_checksum
 from bridge.config import BridgeConfig, load_config
-from bridge.curve import client_curve, handshake_failure, secure_client, watch
+from bridge.curve import client_curve, handshake_failure, secure_client, send_connected, watch
 from bridge.errors import DeadlineExceeded, TransportError, UpdateFailed, WireError
 from bridge.report import FailureKind, describe, kind_of, parse_kind
 from bridge.served import conflict_reason, differing, published_sums
@@ -160,9 +160,21 @@ class UpdateSender:
         self.close()
 
     # ---- messaging ----------------------------------------------------------------------------
-    def _send(self, peer: _Peer, msg: wire.Message, frames: tuple[Any, ...] = ()) -> Any:
-        """Send a header and its frames; with frames, return the tracker of the last one."""
-        return peer.socket.send_multipart([wire.encode(msg), *frames], copy=False, track=bool(frames))
+    def _send(self, peer: _Peer, msg: wire.Message, frames: tuple[Any, ...] = (), within_s: float | None = None) -> Any:
+        """Send a header and its frames; with frames, return the tracker of the last one. Waits for a connection
+        at most ``within_s`` (default ``deadlines.connect_s``): TransportError at once when the engine refused
+        the security handshake (its connection is gone for good), DeadlineExceeded when the time ran out."""
+        wait = self.config.deadlines.connect_s if within_s is None else within_s
+        return send_connected(peer.socket, [wire.encode(msg), *frames], wait, lambda: self._raise_refused([peer]),
+                              peer.endpoint)
+
+    def _tell(self, peer: _Peer, msg: wire.Message) -> None:
+        """Send ``msg`` (an Abort) if the engine's connection takes it now; an engine without one learns
+        nothing, and the failure that made this send is what the caller reports."""
+        try:
+            self._send(peer, msg, within_s=0)
+        except TransportError as exc:
+            logger.info("%s: %s not sent: %s", peer.endpoint, msg.type, exc)
 
     def _pump(self, timeout_s: float) -> None:
         """Receive whatever arrived within ``timeout_s`` and update peer state (TransportError once the
@@ -351,7 +363,7 @@ class UpdateSender:
         except (TransportError, WireError) as exc:  # DeadlineExceeded is a TransportError
             for peer in self._peers:
                 if peer.ack is None:
-                    self._send(peer, wire.Abort(version=version, reason=str(exc)))
+                    self._tell(peer, wire.Abort(version=version, reason=str(exc)))
                     peer.ack = wire.Ack(version=version, ok=False, reason=describe(exc), kind=kind_of(exc).value)
         finally:
             plane.release(failed=any(p.ack is None or not p.ack.ok for p in self._peers))
@@ -382,7 +394,7 @@ class UpdateSender:
             if names:
                 reason = conflict_reason(manifest.version, names, len(manifest.tensors))
                 logger.error("%s: %s", peer.endpoint, reason)
-                self._send(peer, wire.Abort(version=ack.version, reason=reason))  # the engine records it
+                self._tell(peer, wire.Abort(version=ack.version, reason=reason))  # the engine records it
                 peer.ack = wire.Ack(version=ack.version, ok=False, reason=reason, kind=FailureKind.CONFLICT.value,
                                     report={**report, "noop": False, "conflicting_tensors": names})
             else:

@@ -133,6 +133,41 @@ def test_unauthenticated_publishers_are_refused_at_once(receiver: tuple[str, lis
     _refused(endpoint, config, match)
 
 
+@pytest.fixture
+def bare_curve_server() -> Iterator[tuple[str, str]]:
+    """A ZeroMQ CURVE server socket with no ZAP handler (a foreign service, or a receiver of another build):
+    after refusing a plain client's handshake it answers with a ZMTP error, and libzmq then drops the client's
+    session for good (the receiver's ZAP path usually makes the client reconnect instead). Yields its endpoint
+    and public key."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_server = True
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}", public.decode()
+    sock.close(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_publisher_refused_before_its_first_send_fails_at_once(bare_curve_server: tuple[str, str]) -> None:
+    """A send made after the refused session was dropped has no connection to wait for: the publisher must
+    report the refusal, not block (a blocking send once hung the suite until pytest's 900 s timeout). The
+    refusal lands about 20 ms after connecting; four publishers each wait 0.5 s before their first send."""
+    endpoint, _ = bare_curve_server
+    for _ in range(4):
+        with WeightPublisher([endpoint], config=config_from_dict(_publisher())) as pub:
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            with pytest.raises(TransportError, match="security mechanisms differ .* set transport.curve_server_public") as info:
+                pub.publish(NAMED, version=1)
+            assert time.monotonic() - t0 < FAST, f"refused only after {time.monotonic() - t0:.1f}s"
+        assert str(info.value).startswith(f"connection refused by 1 engine(s): {endpoint}: ")
+
+
 def test_status_requests_need_an_accepted_key(receiver: tuple[str, list[Any]], keys: dict[str, Path]) -> None:
     from apps.dashboard.poller import ReceiverSource
 

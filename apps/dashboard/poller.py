@@ -117,17 +117,27 @@ class ReceiverSource:
 
     def __call__(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         from bridge import wire
-        from bridge.curve import handshake_failure
+        from bridge.curve import handshake_failure, send_connected
+        from bridge.errors import DeadlineExceeded
+
+        def check_refused() -> None:
+            refused = handshake_failure(self._monitor, self.curve, peer="receiver")
+            if refused:
+                self.close()  # a late answer must not be read as the next poll's
+                raise BridgeError(f"{self.endpoint} refused the status request: {refused}")
 
         sock = self._socket()
-        sock.send(wire.encode(wire.StatusRequest(since=self._since)))
         end = time.monotonic() + self.timeout_s
+        try:  # a refused handshake leaves no connection: a plain send would wait forever
+            send_connected(sock, [wire.encode(wire.StatusRequest(since=self._since))], self.timeout_s, check_refused,
+                           self.endpoint)
+        except DeadlineExceeded:
+            self.close()
+            raise TimeoutError(f"no status from {self.endpoint} within {self.timeout_s}s") from None
         while not sock.poll(50):
-            refused = handshake_failure(self._monitor, self.curve, peer="receiver")
-            if refused or time.monotonic() > end:
-                self.close()  # a late answer must not be read as the next poll's
-                if refused:
-                    raise BridgeError(f"{self.endpoint} refused the status request: {refused}")
+            check_refused()
+            if time.monotonic() > end:
+                self.close()
                 raise TimeoutError(f"no status from {self.endpoint} within {self.timeout_s}s")
         reply = wire.decode(sock.recv(), max_bytes=self.max_reply_bytes)
         if not isinstance(reply, wire.StatusReply):
