@@ -150,6 +150,11 @@ class ServeConfig:
     # receivers remove vLLM's own shared-memory segments (/dev/shm/psm_*) of engines that were killed when they
     # start: those no live process maps or holds open (bridge/vllm_shm.py)
     sweep_vllm_shm: bool = True
+    # the bridge's updates materialize each reloaded tensor as a view of the tensor the engine serves (where
+    # dtype, size and strides agree) instead of fresh memory: vLLM's copy back is then skipped and the reload
+    # allocates nothing for it (inference_side/reload_hooks.py, ScratchPool.materialize_layer); false
+    # materializes every tensor afresh as vLLM's own reload does
+    reload_in_place: bool = True
 
     def __post_init__(self) -> None:
         for key in ("worker_idle_spin_s", "engine_core_spin_s"):
@@ -169,6 +174,10 @@ class BridgeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def worker_options(self) -> dict[str, bool]:
+        """The options every TP worker's ``wb_begin`` takes: the router's and ``serve.reload_in_place``."""
+        return {**self.router.worker_options(), "in_place": self.serve.reload_in_place}
 
     def replace(self, **sections: Any) -> BridgeConfig:
         """Return a copy with sections replaced; values may be dataclasses or dicts of overrides."""

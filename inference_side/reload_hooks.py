@@ -7,10 +7,13 @@ load), so on CPU the reloaded experts are copied back in checkpoint layout inste
 layout the kernel reads. ``refresh_kernel_format`` runs that step on the freshly loaded layer before
 it is copied into the kernel tensors.
 
-One saving: ``SCRATCH`` keeps the large CPU tensors the reload materializes for the bridge's own updates
-(an embedding, an LM head) from one update to the next, so each update writes into memory already mapped
-instead of faulting in a fresh mmap page by page (65 MB: 16,000 page faults, 40-90 ms against 8 ms for the
-copy itself on the 2-core test VM). vLLM's own ``reload_weights`` is left as it is."""
+Two savings, during the bridge's own updates only (vLLM's own ``reload_weights`` is left as it is):
+``SCRATCH.materialize_layer`` materializes each reloaded tensor as a view of the tensor the engine serves
+(``serve.reload_in_place``), so the loaders write into it and vLLM's copy back is a copy onto itself; and
+where a tensor cannot be a view (or in place is off), ``SCRATCH`` keeps the large CPU tensors the reload
+materializes (an embedding, an LM head) from one update to the next, so each update writes into memory
+already mapped instead of faulting in a fresh mmap page by page (65 MB: 16,000 page faults, 40-90 ms against
+8 ms for the copy itself on the 2-core test VM)."""
 
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ class LoadRecorder:
 
 
 class ScratchPool:
-    """The layerwise reload's materialized CPU tensors of at least ``min_bytes``, kept between the bridge's
-    updates (while ``active``) and lent again to the next update's materialization of the same size.
+    """Where the layerwise reload materializes tensors during the bridge's updates (while ``active``): views
+    of the served tensors (``materialize_layer``, when ``in_place``), else fresh memory, of which CPU tensors
+    of at least ``min_bytes`` are kept between updates and lent again to the next update's materialization
+    of the same size.
 
     Contract: a tensor returns to the pool only after an update that succeeded (``settle``, after the
     write audit and the storage-identity check), and only when nothing but the pool refers to it or to its
@@ -55,6 +60,10 @@ class ScratchPool:
         self.active = False
         self.free: dict[int, list[Any]] = {}  # storage bytes -> untyped storages
         self.lent: list[Any] = []  # tensors materialized during the update in progress
+        self.in_place = True  # materialize_layer: views of the served tensors where they fit
+        # bytes the update in progress (or the last one) materialized as views of served tensors, lent from
+        # the pool, or allocated afresh
+        self.materialized = {"in_place": 0, "pooled": 0, "fresh": 0}
 
     @property
     def nbytes(self) -> int:
@@ -69,11 +78,14 @@ class ScratchPool:
         span = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
         nbytes = span * meta_tensor.element_size()
         if nbytes < self.min_bytes:
+            self.materialized["fresh"] += nbytes
             return original(meta_tensor)
         probe = torch.empty(0, dtype=meta_tensor.dtype)  # on the device the reload's context names
         if probe.device.type != "cpu":
+            self.materialized["fresh"] += nbytes
             return original(meta_tensor)
         pooled = self.free.get(nbytes)
+        self.materialized["pooled" if pooled else "fresh"] += nbytes
         if not pooled:
             tensor = original(meta_tensor)
         else:
@@ -103,6 +115,50 @@ class ScratchPool:
 
     def drop(self) -> None:
         self.lent.clear()
+
+    def start(self, in_place: bool) -> None:
+        """An update of the bridge begins: lend and view from now on (``active``), counts from zero."""
+        self.drop()  # whatever an earlier update left lent
+        self.in_place = in_place
+        self.materialized = dict.fromkeys(self.materialized, 0)
+        self.active = True
+
+    def materialize_layer(self, original: Any, layer: Any, info: Any) -> None:
+        """vLLM's ``materialize_layer``, except that during the bridge's updates (``active`` and ``in_place``) a
+        parameter or buffer whose kernel tensor has its dtype, size and strides is materialized as a view of
+        that kernel tensor's storage: the loaders write into the served tensor itself, vLLM's copy back into
+        it is then a copy onto itself (which torch skips), and nothing is allocated. The rest materialize as
+        before (fresh, or lent by ``materialize``).
+
+        Contract (why this loads what a fresh tensor loads): a layer's processing after loading reads only
+        what its loaders wrote (vLLM materializes with ``torch.empty``, so nothing may rely on the prior
+        content either way) and vLLM copies its result into the kernel tensors, which are these storages.
+        Between ``initialize_layerwise_reload`` and the layer's copy back the served tensors are not on the
+        module (they wait in ``info.kernel_tensors``) and generation waits for the update, so no forward
+        reads a half-written layer. A failure after loading began already leaves the engine between two
+        versions (degraded, or restored from the host copy or the delta store): with views, the failing
+        layer may be part-written too. Views are never lent to the pool."""
+        import torch
+        from vllm.model_executor.model_loader.reload import meta
+
+        kernel = info.kernel_tensors
+        if self.active and self.in_place and kernel is not None and layer.__class__.__name__ not in meta.SKIP_MODULES:
+            params, buffers = kernel
+            for name, tensor in meta.get_layer_tensors(layer).items():
+                if name in meta.SKIP_TENSORS or not tensor.is_meta:
+                    continue
+                served = params.get(name) if name in params else buffers.get(name)
+                if (served is None or served.is_meta or served.dtype != tensor.dtype
+                        or tuple(served.size()) != tuple(tensor.size()) or served.stride() != tensor.stride()):
+                    continue
+                view = torch.empty(0, dtype=served.dtype, device=served.device)
+                view.set_(served.untyped_storage(), served.storage_offset(), served.size(), served.stride())
+                view.requires_grad_(False)
+                view.__class__ = tensor.__class__
+                view.__dict__ = tensor.__dict__.copy()
+                setattr(layer, name, view)
+                self.materialized["in_place"] += served.numel() * served.element_size()
+        original(layer, info)
 
 
 _LOCK = threading.Lock()
@@ -140,6 +196,12 @@ def install() -> None:
         def materialize_meta_tensor(meta_tensor: Any) -> Any:
             return SCRATCH.materialize(original_materialize, meta_tensor)
 
+        original_materialize_layer = layerwise.materialize_layer
+
+        def materialize_layer(layer: Any, info: Any) -> None:
+            SCRATCH.materialize_layer(original_materialize_layer, layer, info)
+
+        layerwise.materialize_layer = materialize_layer
         layerwise.get_numel_loaded = get_numel_loaded
         layerwise._copy_and_restore_kernel_tensors = copy_and_restore
         meta.materialize_meta_tensor = materialize_meta_tensor

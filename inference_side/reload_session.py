@@ -56,7 +56,7 @@ class WorkerRouterState:
 
 class ReloadSession:
     def __init__(self, model: Any, model_config: Any, state: WorkerRouterState, names: list[str],
-                 router: bool = True, audit: bool = True, identity: bool = True) -> None:
+                 router: bool = True, audit: bool = True, identity: bool = True, in_place: bool = True) -> None:
         self.model = model
         self.model_config = model_config
         self.state = state
@@ -64,6 +64,7 @@ class ReloadSession:
         self.router = router
         self.audit = audit
         self.identity = identity
+        self.in_place = in_place  # loaders write into views of the served tensors (reload_hooks.ScratchPool)
         self.timings: dict[str, float] = defaultdict(float)
         self.routed_sinks: dict[str, Any] = {}  # vLLM param path -> expected local shard
         self.skipped: list[str] = []
@@ -92,8 +93,7 @@ class ReloadSession:
         rec = reload_hooks.RECORDER
         rec.reset()
         rec.active = True
-        reload_hooks.SCRATCH.drop()  # whatever an earlier session left lent
-        reload_hooks.SCRATCH.active = True
+        reload_hooks.SCRATCH.start(self.in_place)
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
         self._begun = True

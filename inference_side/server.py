@@ -341,7 +341,7 @@ class InferenceServer(EngineGate):
                                   f"served version {self._version} (applied meanwhile by another update)")
                 return
             update.begun = True
-            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self.config.router.worker_options()))
+            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self.config.worker_options()))
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         with self._engine:
@@ -558,7 +558,7 @@ class InferenceServer(EngineGate):
         the host copy of each tensor the failed update may have overwritten."""
         from inference_side.host_copy import reload_buckets, restore
 
-        options = self.config.router.worker_options()
+        options = self.config.worker_options()
         try:
             if update.restore is not None:
                 buckets = update.restore()

@@ -533,7 +533,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         return reason + f" (rolled back from {source}: TP rank {self.tp_rank} serves version {self.version})"
 
     def _router_options(self) -> dict[str, bool]:
-        return self.receiver.config.router.worker_options() if self.receiver is not None else {}
+        return self.receiver.config.worker_options() if self.receiver is not None else {}
 
     def _note(self, report: RankReport) -> None:
         failed = first_failure([report])

@@ -148,6 +148,7 @@ class WeightSyncWorker:
             router=bool(options.get("router", True)),
             audit=bool(options.get("audit", True)),
             identity=bool(options.get("identity", True)),
+            in_place=bool(options.get("in_place", True)),
         )
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
@@ -317,11 +318,14 @@ class WeightSyncWorker:
         return out
 
     def wb_memory(self) -> dict[str, int]:
-        """Host memory this rank's bridge holds between updates: the reload's kept scratch tensors
-        (``reload_hooks.ScratchPool``)."""
+        """Host memory this rank's bridge holds between updates (``reload_scratch_bytes``: the reload's kept
+        scratch tensors, ``reload_hooks.ScratchPool``) and what the last update's reload materialized its
+        tensors in, in bytes: views of the served tensors (``reload_in_place_bytes``), kept scratch
+        (``reload_pooled_bytes``), fresh memory (``reload_fresh_bytes``)."""
         from inference_side import reload_hooks
 
-        return {"reload_scratch_bytes": reload_hooks.SCRATCH.nbytes}
+        scratch = reload_hooks.SCRATCH
+        return {"reload_scratch_bytes": scratch.nbytes, **{f"reload_{k}_bytes": v for k, v in scratch.materialized.items()}}
 
     def wb_bypass(self) -> list[str]:
         return sorted(self._wb_state.bypass) if self._wb_state else []

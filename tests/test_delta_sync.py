@@ -93,20 +93,27 @@ def test_delta_syncs_in_a_row_equal_cold_load(engine: Any, tmp_path: Any) -> Non
     assert_same_outputs(generate(actor), cold)
 
 
-def test_a_50m_engine_keeps_its_reload_scratch_and_equals_cold_load(ray_session: Any, checkpoints: Any, tmp_path: Any) -> None:
-    """At 50m the embedding and the LM head (32.8 MB each) are materialized by the reload into the pool's kept
-    tensors (inference_side/reload_hooks.py ``ScratchPool``) from the second update on; after a dense update and
-    two deltas the engine still equals one cold-loaded from the last version."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "scratch"])
+def test_a_50m_engine_reloads_in_place_or_into_kept_scratch_and_equals_cold_load(ray_session: Any, checkpoints: Any,
+                                                                                  tmp_path: Any, in_place: bool) -> None:
+    """After a dense update and two deltas a 50m engine equals one cold-loaded from the last version, whether
+    its reload writes into the served tensors themselves (``serve.reload_in_place``, the default: every
+    parameter's bytes materialized as views, nothing kept between updates) or into fresh tensors, of which
+    the embedding and the LM head (32.8 MB each) are kept from the first update on and lent to the next
+    (inference_side/reload_hooks.py ``ScratchPool``)."""
     from devtools.tiny_models import build_model, save_checkpoint
     from inference_side import InferenceActor
     from trainer_side import WeightPublisher
 
-    actor = InferenceActor.remote(model=str(checkpoints("50m", 1)), tensor_parallel_size=1, dtype="bfloat16")
+    actor = InferenceActor.remote(model=str(checkpoints("50m", 1)), tensor_parallel_size=1, dtype="bfloat16",
+                                  config={"serve": {"reload_in_place": in_place}})
     try:
         endpoint = ray_session.get(actor.endpoint.remote(), timeout=600)
         embedding = 32000 * 512 * 2
         assert ray_session.get(actor.collective_rpc.remote("wb_memory"))[0]["reload_scratch_bytes"] == 0
         model = build_model("50m", 2)
+        # vLLM never takes a bias off the model in a reload (its loader writes the served one directly)
+        served = sum(p.numel() * 2 for n, p in model.named_parameters() if not n.endswith(".bias"))
         with WeightPublisher([endpoint]) as publisher:
             for version in (2, 3, 4):
                 if version > 2:
@@ -115,7 +122,13 @@ def test_a_50m_engine_keeps_its_reload_scratch_and_equals_cold_load(ray_session:
                 assert report.ok and report.engines[0].verified, report
                 assert report.delta["mode"] == ("dense" if version == 2 else "delta"), report.delta
                 (memory,) = ray_session.get(actor.collective_rpc.remote("wb_memory"))
-                assert memory["reload_scratch_bytes"] == 2 * embedding, memory
+                if in_place:
+                    assert memory["reload_scratch_bytes"] == 0, memory
+                    assert memory["reload_in_place_bytes"] == served and memory["reload_fresh_bytes"] == 0, (memory, served)
+                else:
+                    assert memory["reload_scratch_bytes"] == 2 * embedding, memory
+                    assert memory["reload_in_place_bytes"] == 0, memory
+                    assert memory["reload_pooled_bytes"] == (0 if version == 2 else 2 * embedding), memory
         (cold,) = oracle([save_checkpoint(model, tmp_path / "v4")], 1, "bfloat16")
         assert_same_outputs(generate(actor), cold)
     finally:
