@@ -1,5 +1,10 @@
 """On tiny GPT-OSS, sinks and fused experts really update on every sync, at TP 1 and 2, in
-bfloat16 and float16 -- and with the router switched off the audit catches the stale tensors."""
+bfloat16 and float16 -- and with the router switched off the audit catches the stale tensors.
+
+Three of the four TP x dtype pairs: TP 2 (each rank's slice of the sinks) in bfloat16, where the backend's sinks
+alias the parameter, and float16 (a converted copy the backend must refresh) at TP 1. Each rank refreshes its
+own slice by the same code whatever the TP size, so float16 at TP 2 adds an engine start (about 110 s) and
+no path the others do not run."""
 
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ SINKS = ["model.layers.0.attn.sinks", "model.layers.1.attn.sinks"]
 CKPT_SINKS = ["model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks"]
 
 
-@pytest.fixture(scope="module", params=[(1, "bfloat16"), (2, "bfloat16"), (1, "float16"), (2, "float16")],
-                ids=["tp1-bf16", "tp2-bf16", "tp1-fp16", "tp2-fp16"])
+@pytest.fixture(scope="module", params=[(1, "bfloat16"), (2, "bfloat16"), (1, "float16")],
+                ids=["tp1-bf16", "tp2-bf16", "tp1-fp16"])
 def gpt_oss(request: Any, ray_session: Any, checkpoints: Any) -> Any:
     from inference_side import InferenceActor
 
