@@ -379,7 +379,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
                 self._open, self._loaded, self._buckets = manifest, False, []
                 self._restore = call.args[1] if len(call.args) > 1 else None
                 self._refused = None
-                self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._router_options()))
+                self._note(self.worker.wb_begin([s.name for s in manifest.tensors], self._worker_options()))
             call.answer(None)
             return None
         if call.name == "load":
@@ -519,10 +519,10 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         stored = back() if back is not None else []
         if stored:
             source = "the receiver's delta base"
-            failed = reload_buckets(stored, step, self._router_options())
+            failed = reload_buckets(stored, step, self._worker_options())
         elif self.host_copy is not None:
             source = "the host copy"
-            failed = restore(self.host_copy, manifest, step, self._router_options())
+            failed = restore(self.host_copy, manifest, step, self._worker_options())
         else:
             logger.warning("weight_bridge: TP rank %d holds part of version %s (no host copy, sync.host_copy)",
                            self.tp_rank, manifest.version)
@@ -532,7 +532,9 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             return reason + f" (restoring {source} failed on TP rank {self.tp_rank}: {failed[1]})"
         return reason + f" (rolled back from {source}: TP rank {self.tp_rank} serves version {self.version})"
 
-    def _router_options(self) -> dict[str, bool]:
+    def _worker_options(self) -> dict[str, bool]:
+        """What every TP worker's ``wb_begin`` takes (``BridgeConfig.worker_options``: the router's and
+        ``serve.reload_in_place``); none without a receiver."""
         return self.receiver.config.worker_options() if self.receiver is not None else {}
 
     def _note(self, report: RankReport) -> None:
