@@ -50,3 +50,50 @@ def test_threads_started_on_binds_new_threads_and_restores_this_one() -> None:
         thread.join()
     assert seen == [one]
     assert os.sched_getaffinity(0) == own
+
+
+@pytest.mark.parametrize(("tp", "cores", "binding"), [
+    (2, [0, 1], "0|1"),                                  # this machine
+    (2, range(8), "0-3|4-7"),
+    (3, range(8), "0-1|2-3|4-5"),                        # the remainder (6, 7) left to the engine's other processes
+    (2, [4, 5, 6, 7], "4-5|6-7"),                        # a cpuset or taskset mask that leaves out 0-3
+    (2, [1, 3, 5, 7, 9, 11], "1,3,5|7,9,11"),            # every other core
+    (2, [2, 3, 4, 8, 9, 10], "2-4|8-10"),
+    (4, [6, 7], "6|7|6|7"),                              # fewer cores than workers: they share, in turn
+    (2, [5], "5|5"),
+    (1, [3, 1, 2], "1-3"),
+])
+def test_cpu_thread_binding_slices_the_allowed_cores(tp: int, cores: list[int], binding: str) -> None:
+    from inference_side.engine import cpu_thread_binding
+
+    assert cpu_thread_binding(tp, cores) == binding
+
+
+@pytest.mark.parametrize(("tp", "cores"), [(0, [0, 1]), (2, [])])
+def test_cpu_thread_binding_refuses_nothing_to_bind(tp: int, cores: list[int]) -> None:
+    from inference_side.engine import cpu_thread_binding
+
+    with pytest.raises(ValueError, match="cpu_thread_binding needs"):
+        cpu_thread_binding(tp, cores)
+
+
+def test_a_tp2_engine_in_a_process_confined_to_one_core_is_bound_to_that_core_only() -> None:
+    """A real process confined to one core (as by a container's cpuset or ``taskset``), the last one of this
+    machine's: the binding it gives vLLM's TP workers names that core alone, never core 0."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    last = max(os.sched_getaffinity(0))
+    if last == 0:
+        pytest.skip("needs a second core")
+    code = ("import json, os; from inference_side.engine import apply_cpu_defaults; apply_cpu_defaults(2); "
+            "print(json.dumps([sorted(os.sched_getaffinity(0)), os.environ['VLLM_CPU_OMP_THREADS_BIND']]))")
+    env = child_env()
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {last}), check=True).stdout
+    allowed, binding = json.loads(out)
+    assert allowed == [last] and binding == f"{last}|{last}", (allowed, binding)
