@@ -199,7 +199,7 @@ def _run(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_t
     # vLLM import per checkpoint
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if tp > 1:
-        from inference_side.engine import allowed_cores, cpu_thread_binding
+        from bridge.cores import allowed_cores, cpu_thread_binding
 
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp, allowed_cores()))
     from vllm import LLM, SamplingParams

@@ -38,7 +38,7 @@ def served(model: str | Path, port: int, log: str | Path, tp: int = 1, extra: tu
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
-        from inference_side.engine import allowed_cores, cpu_thread_binding
+        from bridge.cores import allowed_cores, cpu_thread_binding
 
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp, allowed_cores()))
     url = f"http://127.0.0.1:{port}"

@@ -4,44 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from typing import Any
+
+from bridge.cores import allowed_cores, cpu_thread_binding
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "inference_side.worker_ext.WeightSyncWorker"
-
-
-def _id_list(ids: list[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (the form vLLM parses)."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
-
-
-def cpu_thread_binding(tp_size: int, cores: Sequence[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` value giving each TP worker its own slice of ``cores``: the ids this
-    process may run on (``os.sched_getaffinity``: a container's cpuset or a ``taskset`` mask), not ``0..N-1``.
-    Equal slices in ascending order, the remainder left to the engine's other processes; with fewer cores
-    than workers, worker ``r`` gets core ``r mod len(cores)`` (workers share cores)."""
-    if tp_size < 1 or not cores:
-        raise ValueError(f"cpu_thread_binding needs tp_size >= 1 and some cores, got {tp_size}, {list(cores)}")
-    ids = sorted(set(cores))
-    per = max(len(ids) // tp_size, 1)
-    parts = []
-    for rank in range(tp_size):
-        lo = (rank * per) % len(ids)
-        parts.append(_id_list(ids[lo:lo + per]))
-    return "|".join(parts)
-
-
-def allowed_cores() -> list[int]:
-    """The core ids this process may run on, ascending."""
-    return sorted(os.sched_getaffinity(0))
 
 
 def apply_cpu_defaults(tp_size: int) -> None:

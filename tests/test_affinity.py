@@ -64,16 +64,17 @@ def test_threads_started_on_binds_new_threads_and_restores_this_one() -> None:
     (1, [3, 1, 2], "1-3"),
 ])
 def test_cpu_thread_binding_slices_the_allowed_cores(tp: int, cores: list[int], binding: str) -> None:
-    from inference_side.engine import cpu_thread_binding
+    from bridge.cores import cpu_thread_binding
 
     assert cpu_thread_binding(tp, cores) == binding
 
 
 @pytest.mark.parametrize(("tp", "cores"), [(0, [0, 1]), (2, [])])
 def test_cpu_thread_binding_refuses_nothing_to_bind(tp: int, cores: list[int]) -> None:
-    from inference_side.engine import cpu_thread_binding
+    from bridge.cores import cpu_thread_binding
+    from bridge.errors import ConfigError
 
-    with pytest.raises(ValueError, match="cpu_thread_binding needs"):
+    with pytest.raises(ConfigError, match="cpu_thread_binding needs"):
         cpu_thread_binding(tp, cores)
 
 
