@@ -78,7 +78,7 @@ def test_cpu_thread_binding_refuses_nothing_to_bind(tp: int, cores: list[int]) -
         cpu_thread_binding(tp, cores)
 
 
-def test_a_tp2_engine_in_a_process_confined_to_one_core_is_bound_to_that_core_only() -> None:
+def test_the_tp2_binding_of_a_process_confined_to_one_core_names_that_core_only() -> None:
     """A real process confined to one core (as by a container's cpuset or ``taskset``), the last one of this
     machine's: the binding it gives vLLM's TP workers names that core alone, never core 0."""
     import json
