@@ -17,6 +17,12 @@ share of the update in /dev/shm (shm) or ``(depth + 1)`` packing buffers of a bu
 
     python -m bench.multi_rank --models 350m,1b --reps 5 --bucket-mb 64 --port 46160 --json out.json
 
+**Delta rows** (``--models ... --deltas``): per model and transport the single-process publisher and 2 ranks,
+both with ``sync.delta`` on, and 2 ranks with it off, each into a receiver of its own, every version about 0.8%
+of the elements changed (``deltas``).
+
+    python -m bench.multi_rank --models 350m --deltas --reps 5 --bucket-mb 64 --port 46160 --json out.json
+
 **Memory only** (no ``--models``): memory of each trainer rank during a multi-rank publish, against what the
 design bounds it by: its own shards plus, with ZMQ, ``depth + 1`` packing buffers of its share of a bucket,
 and one local tensor cast to the travel dtype.
@@ -70,8 +76,10 @@ def _rank(rank: int, world: int, port: int, endpoint: str, transport: str, layer
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())  # type: ignore[attr-defined]
+    # deltas off: this measures the sharded data plane (each rank's ranges straight to the engines), which a
+    # multi-rank publish with sync.delta on replaces by the model assembled on rank 0's host
     config = config_from_dict({"transport": {"kind": transport, "bucket_mb": bucket_mb, "depth": depth},
-                               "deadlines": {"bucket_s": 300, "manifest_s": 300}})
+                               "deadlines": {"bucket_s": 300, "manifest_s": 300}, "sync": {"delta": False}})
     pid = os.getpid()
     growth = []
     with RankedPublisher([endpoint], config=config) as publisher:
@@ -187,10 +195,24 @@ class _Sampler:
         self._thread.join()
 
 
+def _step(model: Any, k: int) -> None:
+    """An RL-like version step for the delta rows: every element whose bf16 bit pattern ends in ``k`` (its low 7
+    bits: about one element in 128) halved, on this process's part of ``model`` (a rule of each element's
+    value, so the single-process model and the ranks' shards change alike)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            hit = (local.view(torch.int16) & 127) == k
+            local[hit] *= 0.5
+
+
 def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: str, transport: str, bucket_mb: float,
-           depth: int) -> None:
+           depth: int, delta: bool = False) -> None:
     """One process of a timing group: build its part of the model, then answer ``publish`` commands (JSON
-    lines on stdin) with its time and memory (JSON lines on stdout) until ``quit``."""
+    lines on stdin) with its time and memory (JSON lines on stdout) until ``quit``. With ``delta``, the group
+    publishes with ``sync.delta`` on, and each ``prepare`` that names a ``step`` changes the model by ``_step``."""
     import gc
     import time
 
@@ -200,8 +222,8 @@ def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: st
     from bridge.config import config_from_dict
 
     torch.set_num_threads(1)  # every process one thread (torchrun's default for several ranks): see docs/benchmarks.md
-    # no delta updates: a multi-rank publish sends whole versions, so the baseline does too (and keeps no base copy)
-    config = config_from_dict({"sync": {"mode": "staged", "delta": False},
+    # no delta updates (but in the delta rows): the rows measure the sharded plane and the dense single-process path
+    config = config_from_dict({"sync": {"mode": "staged", "delta": delta},
                                "transport": {"bucket_mb": bucket_mb, "depth": depth},
                                "deadlines": {"bucket_s": 600, "manifest_s": 600, "ack_s": 600, "heartbeat_s": 10}})
     model = _meta_model(kind)
@@ -240,6 +262,8 @@ def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: st
         if cmd["op"] == "quit":
             break
         if cmd["op"] == "prepare":  # every rank collects and resets its peak before any of them starts publishing
+            if cmd.get("step"):
+                _step(model, int(cmd["step"]))
             gc.collect()
             before = _status(pid)
             reset_peaks([pid])
@@ -252,6 +276,7 @@ def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: st
         after = _status(pid)
         print(json.dumps({
             "rank": rank, "ok": report.ok, "seconds": seconds, "report_total": report.seconds.get("total", 0.0),
+            "mode": report.delta.get("mode", "dense"), "wire_ratio": report.delta.get("ratio", 1.0),
             "rss_before": before.get("VmRSS", 0), "peak_rss": after.get("VmHWM", 0),
             "growth": max(after.get("VmHWM", 0) - before.get("VmRSS", 0), 0),
             "shm_growth": max(sampler.shm - before.get("RssShmem", 0), 0),
@@ -267,14 +292,17 @@ class _Group:
     """The processes of one timing group (``single``: one WeightPublisher; ``ranks``: N FSDP2 ranks)."""
 
     def __init__(self, group: str, world: int, port: int, endpoint: str, kind: str, transport: str, bucket_mb: float,
-                 depth: int) -> None:
+                 depth: int, delta: bool = False) -> None:
         self.name = "single-process" if group == "single" else f"{world} rank" + ("s" if world > 1 else "")
+        if delta:
+            self.name += ", deltas"
         self.group, self.world, self.transport = group, world, transport
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "bench.multi_rank", "--serve", group, "--as-rank", str(r), "--ranks", str(world),
              "--port", str(port), "--endpoint", endpoint, "--model", kind, "--transport", transport, "--bucket-mb", str(bucket_mb),
-             "--depth", str(depth)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             "--depth", str(depth), *(["--delta"] if delta else [])], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True)
             for r in range(world)]
         self.ready: list[dict[str, Any]] = []
 
@@ -297,9 +325,10 @@ class _Group:
             proc.stdin.flush()
         return [self._read(p) for p in self.procs]
 
-    def publish(self, version: int) -> list[dict[str, Any]]:
-        """Every process collects its garbage and resets its peak RSS, then all publish ``version`` at once."""
-        self._tell({"op": "prepare"})
+    def publish(self, version: int, step: int = 0) -> list[dict[str, Any]]:
+        """Every process collects its garbage and resets its peak RSS (after changing its model by ``_step``
+        when ``step`` is given), then all publish ``version`` at once."""
+        self._tell({"op": "prepare", "step": step})
         answers = self._tell({"op": "publish", "version": version})
         if not all(a["ok"] for a in answers):
             raise RuntimeError(f"{self.name} over {self.transport}: version {version} failed: {answers}")
@@ -415,6 +444,73 @@ def timing(models: list[str], reps: int, bucket_mb: float, depth: int, port: int
     return out
 
 
+def deltas(models: list[str], reps: int, bucket_mb: float, depth: int, port: int,
+           transports: tuple[str, ...] = TRANSPORTS) -> dict[str, Any]:
+    """The delta rows: per model and transport three groups alive at once, each into a receiver of its own
+    (``SyncReceiver(NullGate)``, deltas on: it keeps its base and rebuilds each delta): the single-process
+    ``WeightPublisher`` and 2 FSDP2 ranks (``RankedPublisher``: the model assembled on rank 0's host), both with
+    ``sync.delta`` on, and 2 ranks with it off (the sharded plane, dense). Before each version every group's
+    model takes the same ``_step`` (about 0.8% of the elements changed). Two warm-up versions (the first dense
+    for everyone: no base yet), then ``reps`` repetitions, the groups' order rotating; ratios are medians of
+    ratios paired within a repetition. Ports: the receivers ``port`` on, the process groups ``port + 12`` on."""
+    import time
+
+    from bench.run import NullGate
+    from bridge.config import config_from_dict
+    from inference_side.receiver import SyncReceiver
+
+    bucket_bytes = int(bucket_mb * (1 << 20))
+    out: dict[str, Any] = {"bucket_bytes": bucket_bytes, "depth": depth, "reps": reps, "models": {},
+                           "step": "every element whose bf16 bits end in k halved (about 0.8% each version)",
+                           "receiver": "SyncReceiver(NullGate) per group in the benchmark's process, staged, deltas on",
+                           "load_before": os.getloadavg()}
+    specs = (("single", 1, True), ("ranks", 2, True), ("ranks", 2, False))
+    version, n = 1, 0
+    t0 = time.perf_counter()
+    for kind in models:
+        rows = []
+        for transport in transports:
+            receivers, groups = [], []
+            try:
+                for g, w, delta in specs:
+                    config = config_from_dict({"sync": {"mode": "staged", "delta": True},
+                                               "transport": {"bucket_mb": bucket_mb, "depth": depth}})
+                    receivers.append(SyncReceiver(NullGate(), config, port=port + n))
+                    receivers[-1].start()
+                    groups.append(_Group(g, w, port + 12 + n, receivers[-1].endpoint, kind, transport, bucket_mb, depth, delta))
+                    n += 1
+                for group in groups:
+                    group.wait_ready()
+                seconds: dict[str, list[float]] = {g.name: [] for g in groups}
+                modes: dict[str, list[tuple[str, float]]] = {g.name: [] for g in groups}
+                for rep in range(reps + 2):
+                    version += 1
+                    turn = rep % len(groups)
+                    for group in groups[turn:] + groups[:turn]:
+                        answers = group.publish(version, step=version % 127 + 1)
+                        if rep >= 2:
+                            seconds[group.name].append(answers[0]["seconds"])
+                            modes[group.name].append((answers[0]["mode"], answers[0]["wire_ratio"]))
+                single, ranked, dense = (g.name for g in groups)
+                row = {"transport": transport, "median_s": {k: _median(v) for k, v in seconds.items()}, "seconds": seconds,
+                       "modes": modes,
+                       "ranks_delta_over_single_delta": _median([b / a for a, b in zip(seconds[single], seconds[ranked], strict=True)]),
+                       "ranks_delta_over_ranks_dense": _median([b / a for a, b in zip(seconds[dense], seconds[ranked], strict=True)]),
+                       "load_after": os.getloadavg()}
+                rows.append(row)
+                print(f"{kind} {transport}: {row['median_s']}, 2 ranks deltas / single deltas "
+                      f"{row['ranks_delta_over_single_delta']:.2f}, / 2 ranks dense {row['ranks_delta_over_ranks_dense']:.2f} "
+                      f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+            finally:
+                for group in groups:
+                    group.close()
+                for receiver in receivers:
+                    receiver.stop()
+        out["models"][kind] = rows
+    out["load_after"] = os.getloadavg()
+    return out
+
+
 def _rows(phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The table: per transport the single-process publisher, then 1, 2 and 4 ranks; ``ratio_to_1_rank`` paired
     within its phase, ``ratio_to_single_process`` chained through the 1-rank group (phase 1's ratio)."""
@@ -465,6 +561,9 @@ def main() -> None:
     parser.add_argument("--transports", default="shm,zmq", help="timing rows: over these")
     parser.add_argument("--phases", default="0,1,2",
                         help="timing rows: of PHASES (0: single-process and 1 rank, 1: 1 and 2 ranks, 2: 1 and 4 ranks)")
+    parser.add_argument("--deltas", action="store_true",
+                        help="with --models: the delta rows (single-process and 2 ranks with deltas, 2 ranks dense) instead")
+    parser.add_argument("--delta", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--transport", choices=("zmq", "shm"), default="zmq")
     parser.add_argument("--layers", type=int, default=16)
@@ -481,11 +580,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve:
         _serve(args.serve, args.as_rank, args.ranks, args.port, args.endpoint, args.model, args.transport, args.bucket_mb,
-               args.depth)
+               args.depth, args.delta)
         return
     if args.as_rank >= 0:
         _rank(args.as_rank, args.ranks, args.port, args.endpoint, args.transport, args.layers, args.hidden,
               args.bucket_mb, args.depth, args.out)
+        return
+    if args.models and args.deltas:
+        result = deltas(args.models.split(","), args.reps, args.bucket_mb, args.depth, args.port,
+                        tuple(args.transports.split(",")))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        for kind, rows in result["models"].items():
+            for row in rows:
+                print(f"| {kind} | {row['transport']} | " + " | ".join(f"{v:.3f}" for v in row["median_s"].values())
+                      + f" | {row['ranks_delta_over_single_delta']:.2f} | {row['ranks_delta_over_ranks_dense']:.2f} |")
         return
     if args.models:
         result = timing(args.models.split(","), args.reps, args.bucket_mb, args.depth, args.port,

@@ -429,3 +429,16 @@ def bucket_ranges(shards: ShardManifest, tensors: Sequence[TensorSpec], n_bucket
     for r in shards.ranges:
         out[bucket_of[r.name]].append(r)
     return out
+
+
+def range_checksum(view: memoryview, base: int, r: RangeSpec, algorithm: str) -> int:
+    """The checksum (``algorithm``) of range ``r``'s bytes as sent (its runs concatenated, in order), read
+    from ``view`` where the range's tensor starts at byte ``base``."""
+    from bridge.checksums import function, running
+
+    if not r.run:
+        return int(function(algorithm)(view[base + r.offset : base + r.offset + r.nbytes]))
+    hasher = running(algorithm)()
+    for start, end in r.runs():
+        hasher.update(view[base + start : base + end])
+    return int(hasher.intdigest())

@@ -13,20 +13,7 @@ from collections.abc import Sequence
 from bridge import wire
 from bridge.errors import ChecksumError, NonFiniteError, WireError
 from bridge.finite import all_finite
-from bridge.shards import RangeSpec
-
-
-def range_checksum(view: memoryview, base: int, r: RangeSpec, algorithm: str) -> int:
-    """The checksum (``algorithm``) of range ``r``'s bytes as sent (its runs concatenated, in order), read
-    from ``view`` where the range's tensor starts at byte ``base``."""
-    from bridge.checksums import function, running
-
-    if not r.run:
-        return int(function(algorithm)(view[base + r.offset : base + r.offset + r.nbytes]))
-    hasher = running(algorithm)()
-    for start, end in r.runs():
-        hasher.update(view[base + start : base + end])
-    return int(hasher.intdigest())
+from bridge.shards import RangeSpec, range_checksum
 
 
 def verify_ranges(view: memoryview, index: int, specs: Sequence[wire.TensorSpec], ranges: Sequence[RangeSpec],

@@ -9,6 +9,9 @@ Scenarios (the same on every rank unless said):
   publisher's write) when it reaches bucket 1, a second after reporting bucket 0;
 * ``corrupt``: version 6; rank 1 flips one bit of the first range it writes after summing it (a test-side
   patch of the publisher's write), as memory corrupted between the sum and the engine would;
+* ``deltas`` (``sync.delta`` on): version FIRST, then ``DELTA_STEPS`` versions changing about one element in
+  128 each (``step``), the fifth after another publisher's version FIRST + 100 (the rest numbered after it);
+* ``SCENARIO+deltas``: that scenario with ``sync.delta`` on (the ranks assemble the model on rank 0's host);
 * ``steal``: version 5; rank 1 claims rank 0's rows of ``model.norm.weight`` (a test-side patch of its
   block) instead of its own.
 
@@ -28,8 +31,26 @@ import sys
 import time
 from typing import Any
 
-# bucket_s far above the test's own deadlines: a dead rank must be found dead, not timed out
-CONFIG = {"transport": {"kind": "shm", "bucket_mb": 0.25}, "deadlines": {"bucket_s": 300, "manifest_s": 120}}
+# bucket_s far above the test's own deadlines: a dead rank must be found dead, not timed out; deltas off (these
+# scenarios test the sharded data plane) but in ``deltas``
+CONFIG = {"transport": {"kind": "shm", "bucket_mb": 0.25}, "deadlines": {"bucket_s": 300, "manifest_s": 120},
+          "sync": {"delta": False}}
+# ``deltas``: the versions after the first, each changing the elements whose float32 bits end in its number
+DELTA_STEPS = 6
+
+
+def step(model: Any, k: int) -> None:
+    """Version ``first + k`` of the ``deltas`` scenario from version ``first + k - 1``: every element whose
+    bit pattern ends in ``k`` (its low 7 bits; about one element in 128) halved. A rule of each element's own
+    value, so the ranks' local shards and the full model (the oracle) change alike."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bits = local.view({2: torch.int16, 4: torch.int32}[local.element_size()])
+            hit = (bits & 127) == k
+            local[hit] *= 0.5
 
 
 def sharded_model(seed: int, mesh: Any, kind: str = "tiny", shard: str = "rows") -> Any:
@@ -80,13 +101,17 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
     DTensor.redistribute = refuse  # type: ignore[method-assign]
     mesh = init_device_mesh("cpu", (world,))
     config = {**CONFIG, "transport": {**CONFIG["transport"], "kind": transport}}
+    if scenario.endswith("+deltas") or scenario == "deltas":  # "corrupt+deltas": that scenario, deltas on
+        config["sync"] = {"delta": True}
+        scenario = scenario.removesuffix("+deltas")
     publisher = RankedPublisher([endpoint], config=config_from_dict(config))
 
     def publish(model: Any, version: int) -> None:
         try:
             report = publisher.publish(model.state_dict(), version)
             results.append({"version": version, "ok": True, "bytes": report.bytes,
-                            "verified": [e.verified for e in report.engines]})
+                            "verified": [e.verified for e in report.engines], "delta": report.delta,
+                            "fallback": [e.dense_fallback for e in report.engines], "base_bytes": publisher.base_bytes})
         except BridgeError as exc:
             results.append({"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc),
                             "reasons": getattr(exc, "reasons", {}), "ranks": list(getattr(exc, "ranks", ()))})
@@ -103,6 +128,24 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
                 for p in model.parameters():
                     p.to_local().mul_(0.5)
             publish(model, first + 1)
+        elif scenario == "deltas":
+            # version FIRST (dense: no base), then DELTA_STEPS versions of a few changed elements each; before
+            # the fifth, another publisher (rank 0, whole tensors of another model) puts its own version on the
+            # engine, so the ranks' fifth delta names a base the engine no longer serves
+            model = sharded_model(first, mesh, kind, shard)
+            publish(model, first)
+            for k in range(1, DELTA_STEPS + 1):
+                if k == 5:
+                    dist.barrier()
+                    if rank == 0:
+                        from devtools.tiny_models import build_model
+                        from trainer_side.publisher import WeightPublisher
+
+                        with WeightPublisher([endpoint], config=config_from_dict(config), name="interloper") as other:
+                            other.publish(build_model(kind, 99).state_dict(), first + 100)
+                    dist.barrier()
+                step(model, k)
+                publish(model, first + 100 + k if k >= 5 else first + k)
         elif scenario == "kill":
             if rank == 1:
                 write = multi_rank.RankedPublisher._write

@@ -117,3 +117,58 @@ def test_four_fsdp2_ranks_land_exactly_the_unsharded_bytes(start_receiver: Any, 
     assert manifest.shards is not None and manifest.shards.world_size == 4
     assert {r.rank for r in manifest.shards.ranges} == {0, 1, 2, 3}
     assert manifest.transport == transport
+
+
+@pytest.mark.parametrize(("transport", "shard"), [("shm", "mixed"), ("zmq", "rows")])
+def test_ranks_send_deltas_that_rebuild_the_unsharded_bytes_and_resend_dense_to_a_wrong_base(
+        start_receiver: Any, tmp_path: Path, transport: str, shard: str) -> None:
+    """``sync.delta`` on, two real FSDP2 ranks (over shm with inner-dim shards: strided ranges; over zmq with
+    row shards): the first version goes dense, the next ones as deltas of about 0.8% of the elements. What
+    the receiver hands the engine stand-in is, version by version, the unsharded model's bytes. Another
+    publisher's version in between makes the next delta name a base the receiver no longer serves: it is
+    refused and that version resent dense, the report naming why on every rank."""
+    import torch
+
+    from tests.ranks import full_weights, run_ranks
+    from tests.ranks_worker import DELTA_STEPS, step
+
+    engine = FakeEngine(keep="bytes", version=1)
+    rx = start_receiver(config_from_dict({}), engine)
+    endpoint = rx.endpoint if transport == "zmq" else rx.ipc_endpoint or rx.endpoint
+    codes, results, logs = run_ranks(endpoint, "deltas", 2, tmp_path, transport=transport, shard=shard)
+    assert codes == [0, 0], logs
+    versions = [2, 3, 4, 5, 6, 107, 108]
+    assert engine.applied == [2, 3, 4, 5, 6, 102, 107, 108], engine.applied
+    for res in results:  # every rank returns the same reports
+        assert [(r["version"], r["ok"]) for r in res] == [(v, True) for v in versions], res
+        assert [r["delta"]["mode"] for r in res] == ["dense"] + ["delta"] * DELTA_STEPS, res
+        assert [bool(r["fallback"][0]) for r in res] == [False] * 5 + [True, False], res
+        assert "WrongBase" in res[5]["fallback"][0] and "version 102" in res[5]["fallback"][0], res[5]
+        # the deltas the receiver took: about 1% of the dense bytes on the wire
+        assert all(r["delta"]["ratio"] < 0.05 for k, r in enumerate(res) if k not in (0, 5)), [r["delta"]["ratio"] for r in res]
+    assert results[0][-1]["base_bytes"] > 0 and results[1][-1]["base_bytes"] == 0
+    model = full_weights(2)
+    for k, version in enumerate(versions):
+        if k:
+            step(model, k)
+        want = model.state_dict()
+        got = engine.tensors(version)
+        assert set(got) == set(want)
+        assert not [n for n in want if not torch.equal(got[n], want[n])], version
+    assert engine.manifests[108].shards is None and engine.manifests[108].delta is not None
+
+
+def test_with_deltas_a_range_whose_bytes_changed_is_named_before_any_engine_hears(start_receiver: Any, tmp_path: Path) -> None:
+    """``sync.delta`` on: rank 1 flips a bit of its first range after summing it (memory corrupted between
+    the sum and the send). Rank 0 checks every range it assembled against its rank's checksum before the
+    update begins: both ranks raise ``RankFailed`` naming rank 1, and the receiver never heard of the version."""
+    from tests.ranks import run_ranks
+
+    engine = FakeEngine(keep="bytes", version=1)
+    rx = start_receiver(config_from_dict({}), engine)
+    codes, results, logs = run_ranks(rx.ipc_endpoint or rx.endpoint, "corrupt+deltas", 2, tmp_path)
+    assert codes == [0, 0], logs
+    for res in results:
+        assert [(r["version"], r["ok"], r["error"]) for r in res] == [(6, False, "RankFailed")], res
+        assert "trainer rank 1" in res[0]["message"] and "checksum" in res[0]["message"], res
+    assert engine.validated == [] and engine.applied == [] and not engine.manifests

@@ -4,7 +4,8 @@ a real engine (``InferenceActor``) over shared memory, each rank writing only it
 then equals an engine cold-loaded from the full weights (the oracle, built unsharded here); a rank killed
 mid-publish, one claiming another rank's bytes, or one whose bytes changed after it summed them leaves it on its
 version, the error naming the rank. Last, four ranks with row and column shards publish two more versions into
-the same engine, again equal to a cold load."""
+the same engine, again equal to a cold load; and with deltas on two ranks send seven more versions (deltas, one
+resent dense to a wrong base) after which the engine equals a cold load, its weights read back bit for bit."""
 
 from __future__ import annotations
 
@@ -126,3 +127,29 @@ def test_four_fsdp2_ranks_row_and_column_shards_publish_two_versions_equal_cold_
     (cold,) = oracle([save_checkpoint(full, tmp_path / "v8")], 1, "bfloat16")
     assert_same_outputs(after, cold)
     assert [o["token_ids"] for o in after] != [o["token_ids"] for o in before], "the update did not change the outputs"
+
+
+def test_fsdp2_ranks_with_deltas_equal_cold_load_and_read_back_bit_identical(engine: Any, tmp_path: Path) -> None:
+    """``sync.delta`` on: two ranks (row and column shards) publish version 9 dense, then six versions of
+    about 0.8% changed elements each as deltas (the fifth after another publisher's version 109, so it is
+    refused as naming the wrong base and resent dense). The engine then equals a cold load of the last
+    version's full weights, and the weights read back from it are the trainer's, bit for bit."""
+    import ray
+
+    from devtools.tiny_models import save_checkpoint
+    from tests.ranks_worker import DELTA_STEPS, step
+    from tests.test_delta_sync import read_back_equal
+
+    codes, results, logs = run_ranks(_endpoint(engine), "deltas", 2, tmp_path, first=9, shard="mixed")
+    assert codes == [0, 0], logs
+    for res in results:
+        assert [(r["version"], r["ok"]) for r in res] == [(v, True) for v in (9, 10, 11, 12, 13, 114, 115)], (res, logs)
+        assert [r["delta"]["mode"] for r in res] == ["dense"] + ["delta"] * DELTA_STEPS, res
+        assert [bool(r["fallback"][0]) for r in res] == [False] * 5 + [True, False], res
+    assert ray.get(engine.version.remote()) == 115
+    full = full_weights(9)
+    for k in range(1, DELTA_STEPS + 1):
+        step(full, k)
+    read_back_equal(engine, full)
+    (cold,) = oracle([save_checkpoint(full, tmp_path / "v115")], 1, "bfloat16")
+    assert_same_outputs(generate(engine), cold)

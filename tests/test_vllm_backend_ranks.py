@@ -47,31 +47,49 @@ def run(tmp_path_factory: Any) -> dict[str, Any]:
     http, base_port = _free_ports(2)
     out = tmp_path_factory.mktemp("ranks")
     with vllm_serve(ckpt, http, tmp_path_factory.mktemp("serve-log") / "server.log") as url:
-        # picked as late as possible: the range lies among the ephemeral ports, which any connection may take
-        master = next(p for p in _free_ports(3) if p not in (http, base_port))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(master), str(ROOT / "tests" / "vllm_ranks_worker.py"), url, str(base_port), str(out)]
-        # its own session: torchrun and both ranks are killed together should it overrun
-        proc = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            log = proc.communicate(timeout=600)[0]
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log = proc.communicate()[0] + "\n(killed after 600 s)"
+        # each torchrun's master port is picked as late as possible: the range lies among the ephemeral ports, which
+        # any connection may take
+        code, log = _torchrun(url, base_port, out)
+        # a second torchrun against the same server, sync.delta on
+        deltas = tmp_path_factory.mktemp("ranks-deltas")
+        delta_code, delta_log = _torchrun(url, base_port, deltas, "deltas")
     ranks = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else [] for r in range(2)]
-    return {"code": proc.returncode, "log": log[-6000:], "ranks": ranks, "dir": out}
+    delta_ranks = [json.loads(p.read_text()) if (p := deltas / f"rank{r}.json").exists() else [] for r in range(2)]
+    return {"code": code, "log": log[-6000:], "ranks": ranks, "dir": out,
+            "deltas": {"code": delta_code, "log": delta_log[-6000:], "ranks": delta_ranks}}
+
+
+def _torchrun(url: str, base_port: int, out: Any, *mode: str) -> tuple[int, str]:
+    """Two ranks of tests/vllm_ranks_worker.py against the server at ``url``: torchrun's exit code and log."""
+    master = next(p for p in _free_ports(3) if p not in (int(url.rsplit(":", 1)[1]), base_port))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(master), str(ROOT / "tests" / "vllm_ranks_worker.py"), url, str(base_port), str(out), *mode]
+    # its own session: torchrun and both ranks are killed together should it overrun
+    proc = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=600)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0] + "\n(killed after 600 s)"
+    return proc.returncode, log
 
 
 @pytest.fixture(scope="module")
 def cold(run: dict[str, Any]) -> dict[float, Any]:
     """scale -> the outputs of an engine cold-loaded from the full weights the ranks published at that scale (of
-    ``build_model("tiny", 2)``: versions 1, 2 and 3), built unsharded here."""
+    ``build_model("tiny", 2)``: versions 1, 2 and 3), built unsharded here; 0.0 -> those of the deltas run's last
+    version."""
     from devtools.tiny_models import save_checkpoint
+    from tests.ranks_worker import step
 
     scales = (1.0, 0.5, 0.25)
     ckpts = [save_checkpoint(full_weights(2, scale), run["dir"] / f"full-x{scale}") for scale in scales]
-    return dict(zip(scales, oracle(ckpts, 1, "bfloat16"), strict=True))
+    stepped = full_weights(2, 0.25)  # the deltas run's last version (key 0.0)
+    for k in (1, 2):
+        step(stepped, k)
+    ckpts.append(save_checkpoint(stepped, run["dir"] / "full-deltas"))
+    return dict(zip((*scales, 0.0), oracle(ckpts, 1, "bfloat16"), strict=True))
 
 
 def test_two_fsdp2_ranks_send_two_versions_equal_to_a_cold_load(run: dict[str, Any], cold: dict[float, Any]) -> None:
@@ -119,3 +137,19 @@ def test_a_rank_that_dies_mid_publish_is_named_and_the_server_keeps_its_version(
     assert "trainer rank 1 (pid" in died["message"] and "died before sending bucket 1 of version 4" in died["message"], died
     assert died["trainer_version"] == 3 and died["served"]["weight_version"] == "3"
     assert_same_outputs(died["served"]["outputs"], zero[3]["served"]["outputs"], tol=0.0)
+
+
+def test_with_deltas_the_ranks_send_deltas_through_vllms_api_equal_to_a_cold_load(run: dict[str, Any],
+                                                                                 cold: dict[float, Any]) -> None:
+    """A second torchrun with ``sync.delta`` on: the ranks assemble each version on rank 0's host, the first goes
+    dense (no base yet) and the next two as deltas; every rank returns the same report, and what the server serves
+    after the last equals a cold load of its full weights."""
+    got = run["deltas"]
+    assert got["code"] == 0, got["log"]
+    zero, one = got["ranks"]
+    assert [(r["ok"], r["mode"]) for r in zero] == [(True, "dense"), (True, "delta"), (True, "delta")], (zero, got["log"])
+    assert [(r["version"], r["ok"], r["mode"], r["bytes"]) for r in zero] == [(r["version"], r["ok"], r["mode"], r["bytes"]) for r in one]
+    assert all(r["ratio"] < 0.05 for r in zero[1:]), [r["ratio"] for r in zero]  # wire bytes against dense
+    last = zero[-1]
+    assert last["served"]["weight_version"] == str(last["version"])
+    assert_same_outputs(last["served"]["outputs"], cold[0.0])

@@ -12,10 +12,16 @@ engine of vLLM's weight-transfer API built on every rank with ``trainer_ranks=WO
 5. version 4 (the same weights): rank 1's process ends (``os._exit(0)``, so torchrun lets rank 0 run on) when it
    reaches bucket 1, a second after reporting bucket 0.
 
+With a fourth argument ``deltas`` (a second torchrun against the same server) the ranks build the trainer engine
+with ``sync.delta`` on (``first_version=10``: the server serves version 3) and send versions 10, 11 and 12:
+version 3's weights (``build_model("tiny", 2)`` times 0.25;
+dense, as the publisher has no base yet), then two of about 0.8% changed elements each
+(``tests.ranks_worker.step``), as deltas.
+
 Each rank writes what each call returned to ``OUT/rank{R}.json`` as it goes; rank 0 adds what the server serves
 after each call (``/weight_info`` and greedy completions of ``tests.helpers.PROMPTS``).
 
-Run: torchrun --nproc-per-node 2 tests/vllm_ranks_worker.py URL BASE_PORT OUT
+Run: torchrun --nproc-per-node 2 tests/vllm_ranks_worker.py URL BASE_PORT OUT [deltas]
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# bucket_s far above the test's own deadlines: a dead rank must be found dead, not timed out
-CONFIG = {"transport": {"kind": "zmq", "bucket_mb": 0.25}, "deadlines": {"bucket_s": 300, "manifest_s": 120}}
+# bucket_s far above the test's own deadlines: a dead rank must be found dead, not timed out; deltas off (the
+# faults are those of the sharded data plane) but in the ``deltas`` run
+CONFIG = {"transport": {"kind": "zmq", "bucket_mb": 0.25}, "deadlines": {"bucket_s": 300, "manifest_s": 120},
+          "sync": {"delta": False}}
 
 
 def served(url: str) -> dict[str, Any]:
@@ -52,7 +60,7 @@ def served(url: str) -> dict[str, Any]:
             "outputs": outputs}
 
 
-def main(url: str, base_port: int, out: Path) -> None:
+def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,8 +82,10 @@ def main(url: str, base_port: int, out: Path) -> None:
     DTensor.full_tensor = refuse  # type: ignore[method-assign]
     DTensor.redistribute = refuse  # type: ignore[method-assign]
     model = sharded_model(2, init_device_mesh("cpu", (world,)))
+    config = {**CONFIG, "sync": {"delta": True}} if mode == "deltas" else CONFIG
     trainer = WeightTransferTrainerFactory.trainer_init(
-        WeightBridgeInitInfo(rank=rank, trainer_ranks=world, base_port=base_port, config=CONFIG,
+        WeightBridgeInitInfo(rank=rank, trainer_ranks=world, base_port=base_port, config=config,
+                             first_version=10 if mode == "deltas" else 1,
                              update_timeout_s=120),
         client=HTTPVLLMWeightSyncClient(url), source=ShardSource(model))
     results: list[dict[str, Any]] = []
@@ -88,7 +98,8 @@ def main(url: str, base_port: int, out: Path) -> None:
             report = trainer.last_report
             assert report is not None
             result: dict[str, Any] = {"version": version, "ok": True, "bytes": report.bytes,
-                                      "verified": [e.verified for e in report.engines]}
+                                      "verified": [e.verified for e in report.engines], "mode": report.delta.get("mode", ""),
+                                      "ratio": report.delta.get("ratio", 1.0)}
         except BridgeError as exc:
             result = {"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc),
                       "reasons": getattr(exc, "reasons", {})}
@@ -117,6 +128,17 @@ def main(url: str, base_port: int, out: Path) -> None:
 
         return faulty_write
 
+    if mode == "deltas":
+        from tests.ranks_worker import step
+
+        scale(0.25)
+        first = trainer.version + 1
+        send(first)
+        for k in (1, 2):
+            step(model, k)
+            send(first + k)
+        trainer.shutdown()
+        return
     send(1)
     scale(0.5)
     send(2)
@@ -133,4 +155,4 @@ def main(url: str, base_port: int, out: Path) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:5])

@@ -21,6 +21,16 @@ DTensors; plain tensors, which count as held by every rank and are sent by rank 
    the header's checksums being the ranges' (the receiver verifies each range: inference_side/ranges.py);
 5. rank 0 tells every rank the outcome: each returns the same ``PublishReport`` or raises the same error.
 
+With ``sync.delta`` (the default) steps 3 and 4 differ: every rank writes its ranges into rank 0's copy of the
+model in shared memory (the buckets of ``layout``, one segment each, kept from one version to the next; the
+ranks' transport is then shared memory whatever ``transport.kind`` says, as they share a host) and reports
+their checksums; rank 0 checks each range there (``RankFailed`` naming its rank before any engine hears of the
+version) and publishes the assembled tensors as the single-process publisher does
+(trainer_side/delta_publish.py): a delta against the last version every engine applied where that pays, dense
+otherwise, dense again to an engine that does not serve the base. The engines see a plain manifest (no
+``shards``) over ``transport.kind``. Memory on rank 0's host: the assembled model in /dev/shm and the
+publisher's base in rank 0's RAM, each one model in the travel dtype (``base_bytes``).
+
 A rank that dies (its process is gone), fails its own part or reports nothing within ``deadlines.bucket_s``
 fails the update with ``RankFailed`` naming it; once the engines saw the manifest they are told to drop the
 update (staged: nothing applied), and ``publish`` raises ``UpdateFailed`` whose reasons name the rank.
@@ -52,7 +62,7 @@ from bridge.config import BridgeConfig, load_config
 from bridge.curve import client_curve, secure_client
 from bridge.errors import BridgeError, ConfigError, RankFailed, TransportError, UpdateFailed
 from bridge.report import describe, parse_kind
-from bridge.sender import EngineReport, PublishReport, UpdateSender
+from bridge.sender import EngineReport, PublishReport
 from bridge.shards import (
     LocalShard,
     RangeSpec,
@@ -62,10 +72,12 @@ from bridge.shards import (
     bucket_ranges,
     layout,
     local_plan,
+    range_checksum,
 )
 from bridge.transports import send_plane
 from bridge.transports.base import OutgoingBucket, SendPlane
 from trainer_side.packing import _copy_and_sum, iter_named
+from trainer_side.publisher import WeightPublisher
 from trainer_side.shard_view import is_dtensor, local_shard, range_views
 
 __all__ = ["RankedPublisher"]
@@ -123,8 +135,9 @@ class _Channel:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class _ControlPeer(UpdateSender):
-    """Rank 0's link to the engines: the sending half of the protocol, unchanged."""
+class _ControlPeer(WeightPublisher):
+    """Rank 0's link to the engines: the sending half of the protocol (sharded updates), and with
+    ``sync.delta`` the single-process publisher of the assembled model (its bases, deltas and dense resends)."""
 
 
 class RankedPublisher:
@@ -156,6 +169,7 @@ class RankedPublisher:
         self._data: list[Any] = []  # zmq: this rank's socket to each engine
         self._pieces: SendPlane | None = None  # zmq, ranks other than 0: this rank's packing ring
         self._mapped: Any = None  # shm, ranks other than 0: rank 0's segments, mapped once (bridge.shm.AttachCache)
+        self._assembly: list[Any] = []  # sync.delta, rank 0: the model assembled in shared memory, a segment per bucket
         if self.rank == 0:
             self._control = _ControlPeer(endpoints, self.config, name=name, transport=self.transport)
             self._channel = _Channel(None, 0)
@@ -227,6 +241,9 @@ class RankedPublisher:
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
+        for seg in self._assembly:
+            seg.close()
+        self._assembly = []
         if not self._channel.sock.closed:
             self._channel.close()
 
@@ -346,6 +363,8 @@ class RankedPublisher:
         others = self._collect("plan", version, None) if self.world > 1 else {}
         plans = [plan, *(RankPlan.from_wire(msg["plan"]) for msg in others.values())]
         shards = agree(plans, self.world)
+        if self.config.sync.delta:
+            return self._publish_assembled(version, probe, prepare, shards, held, t_start)
         if prepare is not None:
             prepare()
         specs, sizes = layout(shards, self.config.transport.bucket_bytes)
@@ -383,6 +402,81 @@ class RankedPublisher:
             return (sealed[index] if sealed else OutgoingBucket(index, None, ())), sums
 
         return control._stream(manifest, plane, produce, t_start)
+
+    @property
+    def base_bytes(self) -> int:
+        """Host memory rank 0 keeps between versions for deltas (``sync.delta``): the bases of its publisher
+        and the model assembled in shared memory; 0 on the other ranks and with deltas off."""
+        if self._control is None:
+            return 0
+        return self._control.base_bytes + sum(seg.size for seg in self._assembly)
+
+    def _wait_s(self, n_buckets: int) -> float:
+        """How long the other ranks wait for rank 0's outcome once their ranges are assembled: rank 0's whole
+        publish of the assembled model within its own deadlines (the dense resend to refusing engines too)."""
+        d = self.config.deadlines
+        return 2 * (d.manifest_s + n_buckets * d.bucket_s + d.ack_s) + self.control_s
+
+    def _publish_assembled(self, version: int, probe: wire.ProbeSpec | None, prepare: Callable[[], None] | None,
+                           shards: Any, held: dict[str, tuple[LocalShard, Any]], t_start: float) -> PublishReport:
+        """``sync.delta``: every rank writes its ranges into rank 0's shared-memory model (the buckets of
+        ``layout``, kept from one version to the next), rank 0 checks each range against the checksum its
+        rank reported (``RankFailed`` naming it; no engine has heard of the version yet), and then publishes
+        the assembled tensors as a single-process publisher does: a delta against the last version every
+        engine applied where that pays, dense otherwise, dense again to an engine that refuses the base."""
+        import torch
+
+        from bridge.shm import Segment
+
+        control = self._control
+        assert control is not None
+        algorithm = control._checksum()
+        specs, sizes = layout(shards, self.config.transport.bucket_bytes)
+        if [seg.size for seg in self._assembly] != list(sizes):
+            for seg in self._assembly:
+                seg.close()
+            self._assembly = [Segment.create("asm", size) for size in sizes]
+        manifest = wire.Manifest(version=version, tensors=specs, bucket_sizes=sizes, publisher=control.name,
+                                 transport="shm", checksum=algorithm, shards=shards)
+        self._broadcast({"t": "go", "v": version, "manifest": manifest.to_wire(), "assemble": True,
+                         "segments": [seg.name for seg in self._assembly], "wait_s": self._wait_s(len(sizes))})
+        per_bucket = bucket_ranges(shards, specs, len(sizes))
+        by_name = {s.name: s for s in specs}
+        buffers = [torch.frombuffer(seg.mm, dtype=torch.uint8, count=size) for seg, size in zip(self._assembly, sizes, strict=True)]
+        t0 = time.perf_counter()
+        for index, buffer in enumerate(buffers):
+            mine = [r for r in per_bucket[index] if r.rank == 0]
+            try:
+                self._write(index, buffer, by_name, mine, held, algorithm)
+            except BridgeError as exc:
+                raise RankFailed(f"trainer rank 0 could not write bucket {index} of version {version}: {describe(exc)}", 0) from exc
+            reports = self._collect("bucket", version, index) if self.world > 1 else {}
+            if algorithm == "none":
+                continue
+            view = memoryview(self._assembly[index].mm)
+            for rank, msg in reports.items():
+                theirs = [r for r in per_bucket[index] if r.rank == rank]
+                if len(msg["sums"]) != len(theirs):
+                    raise RankFailed(f"bucket {index} of version {version}: trainer rank {rank} reported "
+                                     f"{len(msg['sums'])} checksums for its {len(theirs)} ranges", rank)
+                for r, reported in zip(theirs, msg["sums"], strict=True):
+                    got = range_checksum(view, by_name[r.name].offset, r, algorithm)
+                    if got != int(reported):
+                        raise RankFailed(f"tensor {r.name}: {r.describe()} from trainer rank {rank}: the bytes in shared "
+                                         f"memory do not match the checksum the rank reported (got {got:#010x}, reported "
+                                         f"{int(reported):#010x}); nothing was sent", rank)
+            del view
+        assemble_s = time.perf_counter() - t0
+        named = []
+        for spec in specs:  # each tensor a view of its bytes in shared memory, in the travel dtype
+            raw = buffers[spec.bucket][spec.offset:spec.offset + spec.nbytes]
+            named.append((spec.name, raw.view(getattr(torch, spec.dtype)).view(spec.shape)))
+        del buffers
+        if prepare is not None:
+            prepare()
+        report = control.publish(named, version, probe)
+        return dataclasses.replace(report, seconds={**report.seconds, "assemble": assemble_s,
+                                                    "total": time.perf_counter() - t_start})
 
     def _send_piece(self, version: int, index: int, plane: SendPlane, specs: dict[str, wire.TensorSpec],
                     mine: list[RangeSpec], held: dict[str, tuple[LocalShard, Any]], algorithm: str) -> list[int]:
@@ -493,7 +587,7 @@ class RankedPublisher:
         assert manifest.shards is not None
         per_bucket = bucket_ranges(manifest.shards, manifest.tensors, len(manifest.bucket_sizes))
         by_name = {s.name: s for s in manifest.tensors}
-        if self.transport == "zmq":
+        if self.transport == "zmq" and not go.get("assemble"):
             return self._stream_rank(version, manifest, per_bucket, by_name, held)
         # rank 0 reuses its segments from one version to the next: kept mapped here, the next version's writes
         # land in pages this process has mapped, without a fresh mapping's page faults on first touch; a segment
@@ -524,7 +618,8 @@ class RankedPublisher:
                 seg.close()
         if own is not None:
             self._verdict(version, own)
-        done = self._await({"done"}, version, d.ack_s + d.bucket_s + self.control_s, f"the outcome of version {version}")
+        wait_s = float(go.get("wait_s", 0.0)) or d.ack_s + d.bucket_s + self.control_s
+        done = self._await({"done"}, version, wait_s, f"the outcome of version {version}")
         return _report_from_wire(done["report"])
 
     def _stream_rank(self, version: int, manifest: wire.Manifest, per_bucket: list[list[RangeSpec]],
@@ -595,5 +690,5 @@ def _report_to_wire(report: PublishReport) -> dict[str, Any]:
 def _report_from_wire(raw: dict[str, Any]) -> PublishReport:
     engines = tuple(EngineReport(**{**e, "kind": parse_kind(e["kind"])}) for e in raw["engines"])
     return PublishReport(version=raw["version"], bytes=raw["bytes"], seconds=dict(raw["seconds"]), engines=engines,
-                         held_bytes=raw.get("held_bytes", 0))
+                         held_bytes=raw.get("held_bytes", 0), delta=dict(raw.get("delta") or {}))
 
