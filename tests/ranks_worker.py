@@ -11,6 +11,8 @@ Scenarios (the same on every rank unless said):
   patch of the publisher's write), as memory corrupted between the sum and the engine would;
 * ``deltas`` (``sync.delta`` on): version FIRST, then ``DELTA_STEPS`` versions changing about one element in
   128 each (``step``), the fifth after another publisher's version FIRST + 100 (the rest numbered after it);
+* ``adapter``: LoRA adapter ``ranks`` versions 1 and 2 (tests/test_lora.py's tensors of seeds 11 and 12), each
+  rank its chunks (``lora_A`` column shards, ``lora_B`` row shards);
 * ``SCENARIO+deltas``: that scenario with ``sync.delta`` on (the ranks assemble the model on rank 0's host);
 * ``steal``: version 5; rank 1 claims rank 0's rows of ``model.norm.weight`` (a test-side patch of its
   block) instead of its own.
@@ -146,6 +148,26 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
                     dist.barrier()
                 step(model, k)
                 publish(model, first + 100 + k if k >= 5 else first + k)
+        elif scenario == "adapter":
+            # a LoRA adapter ("ranks") from the ranks: tests.test_lora's tensors of seeds 11 (version 1) and 12
+            # (version 2), each rank holding its chunk (A column shards: strided; B row shards)
+            from torch.distributed.tensor import Shard
+
+            from tests.test_lora import adapter_spec, adapter_tensors
+
+            for version, seed in ((1, 11), (2, 12)):
+                local = {}
+                for name, full in adapter_tensors(seed).items():
+                    dim = 1 if "lora_A" in name else 0
+                    local[name] = DTensor.from_local(full.chunk(world, dim=dim)[rank].contiguous(), mesh, [Shard(dim)],
+                                                     run_check=False, shape=full.shape, stride=full.stride())
+                try:
+                    report = publisher.publish(local, version, adapter=adapter_spec(name="ranks"))
+                    results.append({"version": version, "ok": True, "engine": report.engines[0].engine})
+                except BridgeError as exc:
+                    results.append({"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc)})
+                with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+                    json.dump(results, f)
         elif scenario == "kill":
             if rank == 1:
                 write = multi_rank.RankedPublisher._write

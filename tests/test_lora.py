@@ -325,3 +325,22 @@ def test_adapter_versions_over_ipc_and_gloo_serve_the_same_adapter(lora_engine: 
         assert_same_outputs(gen(actor, NAME), want)
         record = ray.get(actor.records.remote())[-1]
         assert (record["version"], record["ok"], record["transport"]) == (version, True, recorded), record
+
+
+def test_an_adapter_from_two_fsdp2_ranks_serves_like_vllm_loading_its_peft_directory(lora_engine: Any, served: Any,
+                                                                                    tmp_path: Path) -> None:
+    """Two real ranks (gloo), each holding its chunks of the adapter (``lora_A`` column shards, strided; ``lora_B``
+    row shards; DTensors), publish adapter ``ranks`` versions 1 and 2 with ``RankedPublisher``: the ranks assemble
+    it on rank 0's host and rank 0 sends it whole. With version 2 (the content of ``math`` version 2) the engine
+    generates as vLLM loading that PEFT directory itself, the workers' read-back finding the trainer's weights."""
+    import ray
+
+    from tests.ranks import run_ranks
+
+    codes, results, logs = run_ranks(lora_engine["endpoint"], "adapter", 2, tmp_path, transport="zmq")
+    assert codes == [0, 0], logs
+    for res in results:
+        assert [(r["version"], r["ok"]) for r in res] == [(1, True), (2, True)], (res, logs)
+    assert results[0][1]["engine"]["lora_readback"]["ok"] is True, results[0][1]["engine"]
+    assert ray.get(lora_engine["actor"].adapter_version.remote("ranks")) == 2
+    assert_same_outputs(gen(lora_engine["actor"], "ranks"), served["cold"][str(served["dirs"][1])])

@@ -21,7 +21,9 @@ dense, as the publisher has no base yet), then two of about 0.8% changed element
 Each rank writes what each call returned to ``OUT/rank{R}.json`` as it goes; rank 0 adds what the server serves
 after each call (``/weight_info`` and greedy completions of ``tests.helpers.PROMPTS``).
 
-Run: torchrun --nproc-per-node 2 tests/vllm_ranks_worker.py URL BASE_PORT OUT [deltas]
+With ``adapter TP LORA_DIR`` instead, the ranks send a LoRA adapter (``send_adapter_from_ranks``).
+
+Run: torchrun --nproc-per-node 2 tests/vllm_ranks_worker.py URL BASE_PORT OUT [deltas | adapter TP LORA_DIR]
 """
 
 from __future__ import annotations
@@ -58,6 +60,45 @@ def served(url: str) -> dict[str, Any]:
         outputs.append({"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]})
     return {"weight_version": requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"],
             "outputs": outputs}
+
+
+def send_adapter_from_ranks(url: str, base_port: int, out: Path, tp: int, lora_dir: str) -> None:
+    """``adapter`` mode: the trainer engine with ``trainer_ranks=WORLD_SIZE`` (``tp``: the server's TP size,
+    ``lora_dir``: where its workers write what they verified) sends LoRA adapter ``ranks`` versions 1 and 2
+    (tests/test_lora.py's tensors of seeds 11 and 12), each rank its chunks as DTensors (``lora_A`` column
+    shards, ``lora_B`` row shards), with ``send_adapter`` on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from bridge.errors import BridgeError
+    from tests.test_lora import adapter_spec, adapter_tensors
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeInitInfo(rank=rank, trainer_ranks=world, base_port=base_port, tp_size=tp, lora_dir=lora_dir,
+                             config=CONFIG, update_timeout_s=120),
+        client=HTTPVLLMWeightSyncClient(url), source=None)
+    results: list[dict[str, Any]] = []
+    for version, seed in ((1, 11), (2, 12)):
+        local = {}
+        for name, full in adapter_tensors(seed).items():
+            dim = 1 if "lora_A" in name else 0
+            local[name] = DTensor.from_local(full.chunk(world, dim=dim)[rank].contiguous(), mesh, [Shard(dim)],
+                                             run_check=False, shape=full.shape, stride=full.stride())
+        try:
+            answer = trainer.send_adapter(local, adapter_spec(name="ranks"))
+            results.append({"version": version, "ok": True, "answer": answer,
+                            "held": trainer.adapter_versions.get("ranks")})
+        except BridgeError as exc:
+            results.append({"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc)})
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+    trainer.shutdown()
 
 
 def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
@@ -155,4 +196,7 @@ def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:5])
+    if sys.argv[4:5] == ["adapter"]:
+        send_adapter_from_ranks(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[5]), sys.argv[6])
+    else:
+        main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:5])

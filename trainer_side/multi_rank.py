@@ -169,7 +169,9 @@ class RankedPublisher:
         self._data: list[Any] = []  # zmq: this rank's socket to each engine
         self._pieces: SendPlane | None = None  # zmq, ranks other than 0: this rank's packing ring
         self._mapped: Any = None  # shm, ranks other than 0: rank 0's segments, mapped once (bridge.shm.AttachCache)
-        self._assembly: list[Any] = []  # sync.delta, rank 0: the model assembled in shared memory, a segment per bucket
+        # rank 0, sync.delta or adapters: the model (or an adapter, by its name) assembled in shared memory, a
+        # segment per bucket
+        self._assembly: dict[str, list[Any]] = {}
         if self.rank == 0:
             self._control = _ControlPeer(endpoints, self.config, name=name, transport=self.transport)
             self._channel = _Channel(None, 0)
@@ -241,9 +243,10 @@ class RankedPublisher:
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
-        for seg in self._assembly:
-            seg.close()
-        self._assembly = []
+        for segments in self._assembly.values():
+            for seg in segments:
+                seg.close()
+        self._assembly = {}
         if not self._channel.sock.closed:
             self._channel.close()
 
@@ -256,7 +259,8 @@ class RankedPublisher:
     # ---- publish ---------------------------------------------------------------------------------
     def publish(self, weights: Iterable[tuple[str, Any]] | Any, version: int, probe: wire.ProbeSpec | None = None, *,
                 prepare: Callable[[], None] | None = None,
-                settle: Callable[[PublishReport | BaseException], PublishReport] | None = None) -> PublishReport:
+                settle: Callable[[PublishReport | BaseException], PublishReport] | None = None,
+                adapter: wire.AdapterSpec | None = None) -> PublishReport:
         """Send this rank's share of ``version`` (its local shards of ``weights``: a state dict or named
         tensors, DTensors or plain ones); every rank of the group must call it with the same version.
         Returns the same ``PublishReport`` on every rank once every engine applied the version; raises the
@@ -269,12 +273,17 @@ class RankedPublisher:
         agreed the manifest, before any engine hears of the version (a raise fails the publish); ``settle(outcome)``
         runs with the publish's outcome (its ``PublishReport``, or the exception) before the other ranks learn
         it, and what it returns or raises is the outcome on every rank. Their time counts against
-        ``control_s``."""
+        ``control_s``.
+
+        ``adapter`` (rank 0's; every rank passes the same): ``weights`` are that LoRA adapter's tensors (local
+        shards or plain tensors, named as PEFT saves them) and ``version`` is the adapter's own, as for
+        ``WeightPublisher.publish``; the ranks assemble it on rank 0's host whatever ``sync.delta`` says, and
+        rank 0 sends it whole."""
         named = list(iter_named(weights))
         if self.rank == 0:
             outcome: PublishReport | BaseException
             try:
-                outcome = self._publish_root(named, version, probe, prepare)
+                outcome = self._publish_root(named, version, probe, prepare, adapter)
             except BaseException as exc:  # noqa: BLE001 - settled, told to every rank, raised below
                 outcome = exc
             if settle is not None:
@@ -351,7 +360,7 @@ class RankedPublisher:
 
     # ---- rank 0 ----------------------------------------------------------------------------------
     def _publish_root(self, named: list[tuple[str, Any]], version: int, probe: wire.ProbeSpec | None,
-                      prepare: Callable[[], None] | None) -> PublishReport:
+                      prepare: Callable[[], None] | None, adapter: wire.AdapterSpec | None = None) -> PublishReport:
         """Rank 0's publish up to the engines' verdict (``publish`` tells the other ranks the outcome)."""
         control = self._control
         assert control is not None, "the publisher is closed"
@@ -363,8 +372,8 @@ class RankedPublisher:
         others = self._collect("plan", version, None) if self.world > 1 else {}
         plans = [plan, *(RankPlan.from_wire(msg["plan"]) for msg in others.values())]
         shards = agree(plans, self.world)
-        if self.config.sync.delta:
-            return self._publish_assembled(version, probe, prepare, shards, held, t_start)
+        if self.config.sync.delta or adapter is not None:
+            return self._publish_assembled(version, probe, prepare, shards, held, t_start, adapter)
         if prepare is not None:
             prepare()
         specs, sizes = layout(shards, self.config.transport.bucket_bytes)
@@ -409,7 +418,7 @@ class RankedPublisher:
         and the model assembled in shared memory; 0 on the other ranks and with deltas off."""
         if self._control is None:
             return 0
-        return self._control.base_bytes + sum(seg.size for seg in self._assembly)
+        return self._control.base_bytes + sum(seg.size for segments in self._assembly.values() for seg in segments)
 
     def _wait_s(self, n_buckets: int) -> float:
         """How long the other ranks wait for rank 0's outcome once their ranges are assembled: rank 0's whole
@@ -418,7 +427,8 @@ class RankedPublisher:
         return 2 * (d.manifest_s + n_buckets * d.bucket_s + d.ack_s) + self.control_s
 
     def _publish_assembled(self, version: int, probe: wire.ProbeSpec | None, prepare: Callable[[], None] | None,
-                           shards: Any, held: dict[str, tuple[LocalShard, Any]], t_start: float) -> PublishReport:
+                           shards: Any, held: dict[str, tuple[LocalShard, Any]], t_start: float,
+                           adapter: wire.AdapterSpec | None = None) -> PublishReport:
         """``sync.delta``: every rank writes its ranges into rank 0's shared-memory model (the buckets of
         ``layout``, kept from one version to the next), rank 0 checks each range against the checksum its
         rank reported (``RankFailed`` naming it; no engine has heard of the version yet), and then publishes
@@ -432,28 +442,30 @@ class RankedPublisher:
         assert control is not None
         algorithm = control._checksum()
         specs, sizes = layout(shards, self.config.transport.bucket_bytes)
-        if [seg.size for seg in self._assembly] != list(sizes):
-            for seg in self._assembly:
+        key = adapter.name if adapter is not None else ""  # the base model and each adapter keep their own
+        if [seg.size for seg in self._assembly.get(key, [])] != list(sizes):
+            for seg in self._assembly.pop(key, []):
                 seg.close()
-            self._assembly = [Segment.create("asm", size) for size in sizes]
+            self._assembly[key] = [Segment.create("asm", size) for size in sizes]
+        assembly = self._assembly[key]
         manifest = wire.Manifest(version=version, tensors=specs, bucket_sizes=sizes, publisher=control.name,
                                  transport="shm", checksum=algorithm, shards=shards)
         self._broadcast({"t": "go", "v": version, "manifest": manifest.to_wire(), "assemble": True,
-                         "segments": [seg.name for seg in self._assembly], "wait_s": self._wait_s(len(sizes))})
+                         "segments": [seg.name for seg in assembly], "wait_s": self._wait_s(len(sizes))})
         per_bucket = bucket_ranges(shards, specs, len(sizes))
         by_name = {s.name: s for s in specs}
-        buffers = [torch.frombuffer(seg.mm, dtype=torch.uint8, count=size) for seg, size in zip(self._assembly, sizes, strict=True)]
+        buffers = [torch.frombuffer(seg.mm, dtype=torch.uint8, count=size) for seg, size in zip(assembly, sizes, strict=True)]
         t0 = time.perf_counter()
         for index, buffer in enumerate(buffers):
             mine = [r for r in per_bucket[index] if r.rank == 0]
-            try:
-                self._write(index, buffer, by_name, mine, held, algorithm)
+            try:  # rank 0's own bytes need no check here: unsummed (its publisher sums what it sends)
+                self._write(index, buffer, by_name, mine, held, "none")
             except BridgeError as exc:
                 raise RankFailed(f"trainer rank 0 could not write bucket {index} of version {version}: {describe(exc)}", 0) from exc
             reports = self._collect("bucket", version, index) if self.world > 1 else {}
             if algorithm == "none":
                 continue
-            view = memoryview(self._assembly[index].mm)
+            view = memoryview(assembly[index].mm)
             for rank, msg in reports.items():
                 theirs = [r for r in per_bucket[index] if r.rank == rank]
                 if len(msg["sums"]) != len(theirs):
@@ -474,7 +486,7 @@ class RankedPublisher:
         del buffers
         if prepare is not None:
             prepare()
-        report = control.publish(named, version, probe)
+        report = control.publish(named, version, probe, adapter=adapter)
         return dataclasses.replace(report, seconds={**report.seconds, "assemble": assemble_s,
                                                     "total": time.perf_counter() - t_start})
 

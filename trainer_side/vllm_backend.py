@@ -194,23 +194,28 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         with _Paused(self.client, self.init_info.pause):
             self._send(version, weights)
 
-    def _send_ranked(self, version: int, weights: Any) -> None:
+    def _send_ranked(self, version: int, weights: Any, adapter: wire.AdapterSpec | None = None) -> dict[str, Any]:
         """Every rank: its share of ``version``; rank 0 drives vLLM's session around the publish (``prepare``: pause,
-        start, update_weights; ``settle``: finish or close, resume) and the ranks learn the settled outcome."""
+        start, update_weights; ``settle``: finish or close, resume) and the ranks learn the settled outcome. An
+        ``adapter`` pauses nothing, leaves ``version`` (the base's) as it is, and is served (``_serve_adapter``)
+        inside ``settle``, so a refused route fails every rank; rank 0 returns the route's answer."""
         ranked = self._ranked
         assert ranked is not None
         if not self.is_sender:
-            self.last_report = ranked.publish(weights, version)
-            self.version = version
-            return
-        paused = _Paused(self.client, self.init_info.pause)
-        session = _Session(self, version)
+            self.last_report = ranked.publish(weights, version, adapter=adapter)
+            if adapter is None:
+                self.version = version
+            return {}
+        served: dict[str, Any] = {}
+        paused = _Paused(self.client, self.init_info.pause if adapter is None else None)
+        session = _Session(self, version, adapter)
         entered = False
 
         def prepare() -> None:
             nonlocal entered
-            paused.pause()
-            entered = True
+            if adapter is None:
+                paused.pause()
+                entered = True
             session.open()
 
         def settle(outcome: PublishReport | BaseException) -> PublishReport:
@@ -220,13 +225,17 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
                 elif isinstance(outcome, BaseException):
                     raise outcome
                 assert isinstance(outcome, PublishReport)
+                if adapter is not None:
+                    served.update(self._adapter_served(outcome, adapter.name, version))
                 return outcome
             finally:
                 if entered:
                     paused.resume()
 
-        self.last_report = ranked.publish(weights, version, prepare=prepare, settle=settle)
-        self.version = version
+        self.last_report = ranked.publish(weights, version, prepare=prepare, settle=settle, adapter=adapter)
+        if adapter is None:
+            self.version = version
+        return served
 
     def send_adapter(self, weights: Any, adapter: wire.AdapterSpec, version: int | None = None) -> dict[str, Any]:
         """Publish LoRA adapter ``adapter``: ``weights`` are its tensors alone, named as PEFT saves them
@@ -239,20 +248,36 @@ class WeightBridgeTrainerEngine(TrainerWeightTransferEngine[WeightBridgeInitInfo
         ``LoRARequest``. Raises ``UpdateFailed`` naming the problem (a refused update: each worker's reason and
         ``update_weights``' answer; a refused route: ``reasons["adapter_route"]``, the HTTP status and reason); the
         previous adapter version serves on (after a refused route the workers hold the version: the next one
-        follows it). No pause: requests in flight keep the adapter version they began with. One sending rank only
-        (``trainer_ranks`` 1)."""
+        follows it). No pause: requests in flight keep the adapter version they began with.
+
+        With ``trainer_ranks`` > 1, called on every rank with the same adapter and version, each with its own view
+        of the adapter's tensors (DTensors: their local shards; plain tensors: rank 0's): the ranks assemble it on
+        rank 0's host and rank 0 sends it (``RankedPublisher.publish(adapter=...)``); every rank returns or raises
+        alike, the served answer on rank 0 (``{}`` on the others)."""
+        version = self.adapter_versions.get(adapter.name, 0) + 1 if version is None else version
         if self._ranked is not None:
-            raise ConfigError("weight_bridge: send_adapter sends from one rank; build this engine with trainer_ranks=1 "
-                              "on the rank that holds the adapter's tensors")
+            try:
+                served = self._send_ranked(version, weights, adapter)
+            except UpdateFailed as exc:
+                if "adapter_route" in exc.reasons:  # refused by the route only: the workers hold the version
+                    self.adapter_versions[adapter.name] = version
+                raise
+            self.adapter_versions[adapter.name] = version
+            return served
         if not self.is_sender or self._publisher is None:
             return {}
-        version = self.adapter_versions.get(adapter.name, 0) + 1 if version is None else version
         self._send(version, weights, adapter)
         assert self.last_report is not None
-        path = next((str(e.engine["adapter_dir"]) for e in self.last_report.engines if e.engine.get("adapter_dir")), "")
-        noop = all(e.noop for e in self.last_report.engines)
-        self.adapter_versions[adapter.name] = version  # the workers hold it: the next default version is the one after
-        return self._serve_adapter(adapter.name, version, path) if path or not noop else {"noop": True}
+        return self._adapter_served(self.last_report, adapter.name, version)
+
+    def _adapter_served(self, report: PublishReport, name: str, version: int) -> dict[str, Any]:
+        """After every worker took adapter ``name`` ``version`` (``report``): the workers hold it (the next default
+        version is the one after), and the server serves it (``_serve_adapter``; ``{"noop": True}`` when every
+        worker had it already)."""
+        path = next((str(e.engine["adapter_dir"]) for e in report.engines if e.engine.get("adapter_dir")), "")
+        noop = all(e.noop for e in report.engines)
+        self.adapter_versions[name] = version
+        return self._serve_adapter(name, version, path) if path or not noop else {"noop": True}
 
     def _serve_adapter(self, name: str, version: int, path: str) -> dict[str, Any]:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
