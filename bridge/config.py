@@ -91,7 +91,8 @@ class SyncConfig:
     # the wire dtype, also while it publishes, plus the buckets in flight) and sends each tensor as a patch against the version the engines
     # serve when that pays; a staged receiver keeps the version it last applied (one model of host RAM) to
     # rebuild full tensors from patches. false on either side: dense updates only (a receiver refuses patches
-    # with kind ``base`` and its publisher resends dense)
+    # with kind ``base`` and its publisher resends dense). A multi-rank publisher assembles the model on rank 0's
+    # host first (one more model, in /dev/shm); false keeps its ranks sending their own ranges (docs/multi_rank.md)
     delta: bool = True
     # a delta patched in the receiver's base store goes to the engine bucket by bucket as each is verified (staged:
     # not after the last one; streaming: from the store, not a rebuilt copy), into an engine that can put the
