@@ -48,6 +48,23 @@ def run_ranks(endpoint: str, scenario: str, world: int, out: Path, first: int = 
     return [p.returncode for p in procs], results, "\n".join(logs)[-6000:]
 
 
+def torchrun(args: list[str], port: int, timeout: float = 600) -> tuple[int, str]:
+    """Two ranks of tests/vllm_ranks_worker.py ``args`` under torchrun (MASTER_PORT ``port``), in a session of their
+    own (killed together should they overrun ``timeout``): torchrun's exit code and log."""
+    import signal
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(ROOT / "tests" / "vllm_ranks_worker.py"), *args]
+    proc = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0] + f"\n(killed after {timeout:.0f} s)"
+    return proc.returncode, log
+
+
 def full_weights(seed: int, scale: float = 1.0, kind: str = "tiny") -> Any:
     """The unsharded model the ranks publish (``build_model(kind, seed)``, every parameter times ``scale``
     as the ranks scale their shards): the oracle's weights."""

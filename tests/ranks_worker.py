@@ -74,6 +74,23 @@ def sharded_model(seed: int, mesh: Any, kind: str = "tiny", shard: str = "rows")
     return model
 
 
+def adapter_chunks(seed: int, mesh: Any) -> dict[str, Any]:
+    """tests/test_lora.py's adapter tensors of ``seed``, this rank's chunks of them as DTensors: ``lora_A`` column
+    shards (strided ranges), ``lora_B`` row shards."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tests.test_lora import adapter_tensors
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = {}
+    for name, full in adapter_tensors(seed).items():
+        dim = 1 if "lora_A" in name else 0
+        local[name] = DTensor.from_local(full.chunk(world, dim=dim)[rank].contiguous(), mesh, [Shard(dim)],
+                                         run_check=False, shape=full.shape, stride=full.stride())
+    return local
+
+
 def geometry(model: Any) -> dict[str, list[Any]]:
     """Each parameter's placement and this rank's local shape, as FSDP2 gave them."""
     return {n: [f"Shard({t.placements[0].dim})", list(t.to_local().shape)] for n, t in model.state_dict().items()}
@@ -151,18 +168,11 @@ def main(rank: int, world: int, port: int, out: str, endpoint: str, scenario: st
         elif scenario == "adapter":
             # a LoRA adapter ("ranks") from the ranks: tests.test_lora's tensors of seeds 11 (version 1) and 12
             # (version 2), each rank holding its chunk (A column shards: strided; B row shards)
-            from torch.distributed.tensor import Shard
-
-            from tests.test_lora import adapter_spec, adapter_tensors
+            from tests.test_lora import adapter_spec
 
             for version, seed in ((1, 11), (2, 12)):
-                local = {}
-                for name, full in adapter_tensors(seed).items():
-                    dim = 1 if "lora_A" in name else 0
-                    local[name] = DTensor.from_local(full.chunk(world, dim=dim)[rank].contiguous(), mesh, [Shard(dim)],
-                                                     run_check=False, shape=full.shape, stride=full.stride())
                 try:
-                    report = publisher.publish(local, version, adapter=adapter_spec(name="ranks"))
+                    report = publisher.publish(adapter_chunks(seed, mesh), version, adapter=adapter_spec(name="ranks"))
                     results.append({"version": version, "ok": True, "engine": report.engines[0].engine})
                 except BridgeError as exc:
                     results.append({"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc)})

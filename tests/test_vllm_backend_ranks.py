@@ -11,16 +11,12 @@ keeps serving its version."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, assert_same_outputs, child_env, free_port_in, oracle, vllm_serve
-from tests.ranks import full_weights
+from tests.helpers import assert_same_outputs, free_port_in, oracle, vllm_serve
+from tests.ranks import full_weights, torchrun
 
 pytestmark = pytest.mark.engine
 PORTS = range(26200, 26300)  # this module's: the server, the workers' receivers, the ranks' MASTER_PORT
@@ -62,17 +58,7 @@ def run(tmp_path_factory: Any) -> dict[str, Any]:
 def _torchrun(url: str, base_port: int, out: Any, *mode: str) -> tuple[int, str]:
     """Two ranks of tests/vllm_ranks_worker.py against the server at ``url``: torchrun's exit code and log."""
     master = next(p for p in _free_ports(3) if p not in (int(url.rsplit(":", 1)[1]), base_port))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(master), str(ROOT / "tests" / "vllm_ranks_worker.py"), url, str(base_port), str(out), *mode]
-    # its own session: torchrun and both ranks are killed together should it overrun
-    proc = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log = proc.communicate(timeout=600)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log = proc.communicate()[0] + "\n(killed after 600 s)"
-    return proc.returncode, log
+    return torchrun([url, str(base_port), str(out), *mode], master)
 
 
 @pytest.fixture(scope="module")

@@ -277,25 +277,15 @@ def test_an_adapter_from_two_fsdp2_ranks_serves_as_the_same_adapter_from_one(ser
     server answers requests naming ``ranks`` exactly as it answers those naming ``math`` (version 2, checked
     against vLLM loading its PEFT directory above)."""
     import json
-    import signal
-    import subprocess
-    import sys
 
-    from tests.helpers import ROOT, free_port_in
+    from tests.helpers import free_port_in
+    from tests.ranks import torchrun
 
     master = free_port_in(range(18140, 18200))
     assert master is not None
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(master), str(ROOT / "tests" / "vllm_ranks_worker.py"), server["url"],
-           str(server["base_port"]), str(tmp_path), "adapter", str(server["tp"]), server["lora_dir"]]
-    proc = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log = proc.communicate(timeout=600)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log = proc.communicate()[0] + "\n(killed after 600 s)"
-    assert proc.returncode == 0, log[-6000:]
+    code, log = torchrun([server["url"], str(server["base_port"]), str(tmp_path), "adapter", str(server["tp"]),
+                          server["lora_dir"]], master)
+    assert code == 0, log[-6000:]
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert [(r["version"], r["ok"], r["held"]) for r in zero] == [(1, True, 1), (2, True, 2)], (zero, log[-6000:])
     assert [(r["version"], r["ok"], r["held"], r["answer"]) for r in one] == [(1, True, 1, {}), (2, True, 2, {})], one

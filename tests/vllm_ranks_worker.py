@@ -69,12 +69,12 @@ def send_adapter_from_ranks(url: str, base_port: int, out: Path, tp: int, lora_d
     shards, ``lora_B`` row shards), with ``send_adapter`` on every rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from bridge.errors import BridgeError
-    from tests.test_lora import adapter_spec, adapter_tensors
+    from tests.ranks_worker import adapter_chunks
+    from tests.test_lora import adapter_spec
     from trainer_side.vllm_backend import WeightBridgeInitInfo
 
     dist.init_process_group("gloo")
@@ -86,13 +86,8 @@ def send_adapter_from_ranks(url: str, base_port: int, out: Path, tp: int, lora_d
         client=HTTPVLLMWeightSyncClient(url), source=None)
     results: list[dict[str, Any]] = []
     for version, seed in ((1, 11), (2, 12)):
-        local = {}
-        for name, full in adapter_tensors(seed).items():
-            dim = 1 if "lora_A" in name else 0
-            local[name] = DTensor.from_local(full.chunk(world, dim=dim)[rank].contiguous(), mesh, [Shard(dim)],
-                                             run_check=False, shape=full.shape, stride=full.stride())
         try:
-            answer = trainer.send_adapter(local, adapter_spec(name="ranks"))
+            answer = trainer.send_adapter(adapter_chunks(seed, mesh), adapter_spec(name="ranks"))
             results.append({"version": version, "ok": True, "answer": answer,
                             "held": trainer.adapter_versions.get("ranks")})
         except BridgeError as exc:
