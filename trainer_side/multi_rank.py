@@ -429,11 +429,12 @@ class RankedPublisher:
     def _publish_assembled(self, version: int, probe: wire.ProbeSpec | None, prepare: Callable[[], None] | None,
                            shards: Any, held: dict[str, tuple[LocalShard, Any]], t_start: float,
                            adapter: wire.AdapterSpec | None = None) -> PublishReport:
-        """``sync.delta``: every rank writes its ranges into rank 0's shared-memory model (the buckets of
-        ``layout``, kept from one version to the next), rank 0 checks each range against the checksum its
-        rank reported (``RankFailed`` naming it; no engine has heard of the version yet), and then publishes
-        the assembled tensors as a single-process publisher does: a delta against the last version every
-        engine applied where that pays, dense otherwise, dense again to an engine that refuses the base."""
+        """``sync.delta``, or an ``adapter``: every rank writes its ranges into rank 0's shared-memory model (the
+        buckets of ``layout``, kept from one version to the next, apart for each adapter), rank 0 checks each
+        range against the checksum its rank reported (``RankFailed`` naming it; no engine has heard of the
+        version yet), and then publishes the assembled tensors as a single-process publisher does: a delta
+        against the last version every engine applied where that pays, dense otherwise, dense again to an
+        engine that refuses the base; an adapter whole."""
         import torch
 
         from bridge.shm import Segment
