@@ -195,24 +195,12 @@ class _Sampler:
         self._thread.join()
 
 
-def _step(model: Any, k: int) -> None:
-    """An RL-like version step for the delta rows: every element whose bf16 bit pattern ends in ``k`` (its low 7
-    bits: about one element in 128) halved, on this process's part of ``model`` (a rule of each element's
-    value, so the single-process model and the ranks' shards change alike)."""
-    import torch
-
-    with torch.no_grad():
-        for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            hit = (local.view(torch.int16) & 127) == k
-            local[hit] *= 0.5
-
-
 def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: str, transport: str, bucket_mb: float,
            depth: int, delta: bool = False) -> None:
     """One process of a timing group: build its part of the model, then answer ``publish`` commands (JSON
     lines on stdin) with its time and memory (JSON lines on stdout) until ``quit``. With ``delta``, the group
-    publishes with ``sync.delta`` on, and each ``prepare`` that names a ``step`` changes the model by ``_step``."""
+    publishes with ``sync.delta`` on, and each ``prepare`` that names a ``step`` changes the model
+    (``devtools.tiny_models.halve_where_bits_end_in``)."""
     import gc
     import time
 
@@ -220,6 +208,7 @@ def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: st
 
     from bench.memory import _status, reset_peaks
     from bridge.config import config_from_dict
+    from devtools.tiny_models import halve_where_bits_end_in
 
     torch.set_num_threads(1)  # every process one thread (torchrun's default for several ranks): see docs/benchmarks.md
     # no delta updates (but in the delta rows): the rows measure the sharded plane and the dense single-process path
@@ -263,7 +252,7 @@ def _serve(group: str, rank: int, world: int, port: int, endpoint: str, kind: st
             break
         if cmd["op"] == "prepare":  # every rank collects and resets its peak before any of them starts publishing
             if cmd.get("step"):
-                _step(model, int(cmd["step"]))
+                halve_where_bits_end_in(model, int(cmd["step"]))
             gc.collect()
             before = _status(pid)
             reset_peaks([pid])
@@ -326,8 +315,8 @@ class _Group:
         return [self._read(p) for p in self.procs]
 
     def publish(self, version: int, step: int = 0) -> list[dict[str, Any]]:
-        """Every process collects its garbage and resets its peak RSS (after changing its model by ``_step``
-        when ``step`` is given), then all publish ``version`` at once."""
+        """Every process collects its garbage and resets its peak RSS (after changing its model by
+        ``halve_where_bits_end_in`` when ``step`` is given), then all publish ``version`` at once."""
         self._tell({"op": "prepare", "step": step})
         answers = self._tell({"op": "publish", "version": version})
         if not all(a["ok"] for a in answers):
@@ -450,7 +439,7 @@ def deltas(models: list[str], reps: int, bucket_mb: float, depth: int, port: int
     (``SyncReceiver(NullGate)``, deltas on: it keeps its base and rebuilds each delta): the single-process
     ``WeightPublisher`` and 2 FSDP2 ranks (``RankedPublisher``: the model assembled on rank 0's host), both with
     ``sync.delta`` on, and 2 ranks with it off (the sharded plane, dense). Before each version every group's
-    model takes the same ``_step`` (about 0.8% of the elements changed). Two warm-up versions (the first dense
+    model takes the same step (``halve_where_bits_end_in``: about 0.8% of the elements changed). Two warm-up versions (the first dense
     for everyone: no base yet), then ``reps`` repetitions, the groups' order rotating; ratios are medians of
     ratios paired within a repetition. Ports: the receivers ``port`` on, the process groups ``port + 12`` on."""
     import time

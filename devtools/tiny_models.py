@@ -89,6 +89,19 @@ def randomize_(model: Any, seed: int, scale: float = 0.05) -> None:
                 param.copy_(scale * noise)
 
 
+def halve_where_bits_end_in(model: Any, k: int) -> None:
+    """A small, RL-like version step: every element of ``model``'s parameters whose bit pattern ends in ``k`` (its
+    low 7 bits: about one element in 128) halved, in place. A rule of each element's own value, so a trainer's
+    local shards (DTensor parameters: their ``to_local()``) and the full model change alike."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bits = local.view({2: torch.int16, 4: torch.int32}[local.element_size()])
+            local[(bits & 127) == k] *= 0.5
+
+
 def save_checkpoint(model: Any, directory: str | Path) -> Path:
     """save_pretrained in safetensors format plus a marker of what was saved."""
     directory = Path(directory)

@@ -42,17 +42,11 @@ DELTA_STEPS = 6
 
 
 def step(model: Any, k: int) -> None:
-    """Version ``first + k`` of the ``deltas`` scenario from version ``first + k - 1``: every element whose
-    bit pattern ends in ``k`` (its low 7 bits; about one element in 128) halved. A rule of each element's own
-    value, so the ranks' local shards and the full model (the oracle) change alike."""
-    import torch
+    """Version ``first + k`` of the ``deltas`` scenario from version ``first + k - 1`` (about one element in 128
+    halved: ``devtools.tiny_models.halve_where_bits_end_in``)."""
+    from devtools.tiny_models import halve_where_bits_end_in
 
-    with torch.no_grad():
-        for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            bits = local.view({2: torch.int16, 4: torch.int32}[local.element_size()])
-            hit = (bits & 127) == k
-            local[hit] *= 0.5
+    halve_where_bits_end_in(model, k)
 
 
 def sharded_model(seed: int, mesh: Any, kind: str = "tiny", shard: str = "rows") -> Any:
