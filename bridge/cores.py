@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 from bridge.errors import ConfigError
 
@@ -40,3 +40,13 @@ def cpu_thread_binding(tp_size: int, cores: Sequence[int]) -> str:
 def allowed_cores() -> list[int]:
     """The core ids this process may run on, ascending."""
     return sorted(os.sched_getaffinity(0))
+
+
+def cpu_engine_env(tp_size: int, env: MutableMapping[str, str]) -> None:
+    """Set in ``env`` (``os.environ`` for an engine in this process, a child's environment for a ``vllm serve``)
+    what vLLM's CPU backend needs on a small box, leaving any value already there: 1 GiB of KV cache
+    (``VLLM_CPU_KVCACHE_SPACE``) and, with TP > 1, a core slice per worker (``VLLM_CPU_OMP_THREADS_BIND``,
+    ``cpu_thread_binding`` over ``allowed_cores``); with TP 1, vLLM's own binding."""
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp_size > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp_size, allowed_cores()))

@@ -193,15 +193,13 @@ def _run(models: list[str], tp: int, dtype: str, prompts: list[list[int]], max_t
          loras: list[str] | None = None, max_lora_rank: int = 8, max_loras: int = 2) -> dict[str, Any]:
     import gc
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from bridge.cores import cpu_engine_env
+
+    cpu_engine_env(tp, os.environ)
     # vLLM's engine core in this process rather than in one it spawns per engine: a cold load of the
     # same weights with the same kernels (outputs identical, TP 1 and 2), without a fresh process and
     # vLLM import per checkpoint
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if tp > 1:
-        from bridge.cores import allowed_cores, cpu_thread_binding
-
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp, allowed_cores()))
     from vllm import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)

@@ -36,11 +36,9 @@ def served(model: str | Path, port: int, log: str | Path, tp: int = 1, extra: tu
 
     env = dict(os.environ if env is None else env)
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if tp > 1:
-        from bridge.cores import allowed_cores, cpu_thread_binding
+    from bridge.cores import cpu_engine_env
 
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp, allowed_cores()))
+    cpu_engine_env(tp, env)
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         proc = subprocess.Popen(serve_command(model, port, tp, extra), stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from bridge.cores import allowed_cores, cpu_thread_binding
+from bridge.cores import cpu_engine_env
 
 logger = logging.getLogger(__name__)
 
@@ -14,10 +14,9 @@ WORKER_EXTENSION = "inference_side.worker_ext.WeightSyncWorker"
 
 
 def apply_cpu_defaults(tp_size: int) -> None:
-    """vLLM's CPU backend reads its settings from the environment; set what a small box needs."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if tp_size > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp_size, allowed_cores()))
+    """vLLM's CPU backend reads its settings from the environment; set what a small box needs
+    (``bridge.cores.cpu_engine_env``)."""
+    cpu_engine_env(tp_size, os.environ)
 
 
 def start_llm(model: str, tensor_parallel_size: int, dtype: str, llm_kwargs: dict[str, Any],

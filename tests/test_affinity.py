@@ -98,3 +98,21 @@ def test_the_tp2_binding_of_a_process_confined_to_one_core_names_that_core_only(
                          preexec_fn=lambda: os.sched_setaffinity(0, {last}), check=True).stdout
     allowed, binding = json.loads(out)
     assert allowed == [last] and binding == f"{last}|{last}", (allowed, binding)
+
+
+@pytest.mark.parametrize(("tp", "given", "expected"), [
+    (1, {}, {"VLLM_CPU_KVCACHE_SPACE": "1"}),                                  # TP 1: vLLM's own binding
+    (2, {}, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "BINDING"}),
+    (2, {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0|0"},   # what the caller set stays
+     {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0|0"}),
+])
+def test_cpu_engine_env_sets_only_what_is_unset(tp: int, given: dict[str, str], expected: dict[str, str]) -> None:
+    """The CPU defaults every engine start of the project uses (an engine in this process, ``vllm serve``, the
+    cold-load oracle): in the environment handed in, never over a value already there; the binding slices this
+    process's allowed cores."""
+    from bridge.cores import allowed_cores, cpu_engine_env, cpu_thread_binding
+
+    env = dict(given)
+    cpu_engine_env(tp, env)
+    binding = cpu_thread_binding(tp, allowed_cores())
+    assert env == {k: (binding if v == "BINDING" else v) for k, v in expected.items()}
