@@ -1,4 +1,5 @@
-"""Starting a vLLM engine with the weight-sync worker extension. CPU defaults live here, in one place."""
+"""Starting a vLLM engine with the weight-sync worker extension, with the CPU defaults every engine start of the project
+uses (``bridge.cores.cpu_engine_env``)."""
 
 from __future__ import annotations
 
