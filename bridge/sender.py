@@ -100,6 +100,7 @@ class UpdateSender:
         # CURVE towards the engines: curve_server_public ("" for none) overrides transport.curve_server_public
         self._curve = client_curve(self.config.transport, curve_server_public)
         self._current = 0  # version being published
+        self._begun = 0  # the last version whose Begin went out (abandon tells only before it did)
         self._aborted = ""  # set by abort(), from any thread: every send fails from then on
         self._planes: dict[str, SendPlane] = {}  # kept across updates: their buffers are reused
         self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
@@ -135,6 +136,17 @@ class UpdateSender:
         (50 ms), its engines told to drop the update, and every later send fail too; the publisher is
         done. Safe to call from any thread: it only sets a flag that the sending thread reads."""
         self._aborted = reason or "aborted"
+
+    def abandon(self, version: int, reason: str) -> None:
+        """Tell every engine that ``version`` will not come (an Abort), unless its Begin went out (a send that
+        failed after its Begin told the engines itself): a send that failed before (a refused handshake, the
+        trainer's weights raising while they were read). An engine waiting for that version (vLLM's
+        ``update_weights`` through the weight_bridge backend) stops waiting now instead of at its deadline.
+        An engine whose connection does not take the message now learns nothing."""
+        if version == self._begun:
+            return
+        for peer in self._peers:
+            self._tell(peer, wire.Abort(version=version, reason=reason))
 
     def _checksum(self) -> str:
         choice = self.config.sync.checksum
@@ -327,6 +339,7 @@ class UpdateSender:
         # now sent again) is read and forgotten here: a credit counted for this Begin would let a sharded update's
         # ranks send before the engines know of it
         self._pump(0)
+        self._begun = version
         for peer in self._peers:
             peer.credit, peer.ack, peer.released = 0, None, set()
             self._send(peer, wire.Begin(manifest))

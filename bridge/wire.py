@@ -481,6 +481,23 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+def claimed_version(data: bytes | memoryview, max_bytes: int = 64 << 20) -> int:
+    """The version a header that ``decode`` refused names, read leniently (a Begin's manifest version, else
+    the message's own ``version``), so that its refusal goes to the update its sender meant; 0 when it names
+    none (not msgpack, not a map, no positive integer there, or over ``max_bytes``)."""
+    if len(data) > max_bytes:
+        return 0
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=0, max_ext_len=0)
+    except Exception:  # noqa: BLE001 - whatever msgpack makes of garbage: it names no version
+        return 0
+    if not isinstance(raw, dict):
+        return 0
+    holder = raw.get("manifest") if raw.get("type") == "begin" else raw
+    version = holder.get("version") if isinstance(holder, dict) else None
+    return version if type(version) is int and 0 < version < 1 << 63 else 0
+
+
 def decode(data: bytes | memoryview, max_bytes: int = 64 << 20, max_tensors: int = 1_000_000) -> Message:
     """Decode and validate one header. Raises WireError naming what is wrong."""
     if len(data) > max_bytes:

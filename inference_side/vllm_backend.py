@@ -345,7 +345,10 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         """The receiver refused an update, timed it out, or the publisher abandoned it (``Abort``: a staged update
         still arriving never reached the engine, e.g. a trainer rank failed mid-publish): end the RPC waiting for
         it, rather than let it wait out ``update_info.timeout_s``. One already open in the model is ended by the
-        receiver's own abort or finish instead (``_run``)."""
+        receiver's own abort or finish instead (``_run``). Only an event naming the awaited version ends it: a
+        message that names none (version 0: a stray peer's garbage, another protocol) is refused to its sender
+        and leaves the update waiting; a publisher whose send failed before its Begin says so with an Abort of
+        that version (``UpdateSender.abandon``)."""
         self.ledger.event(event, data)
         if event in ("refused", "timeout", "aborted"):
             self._calls.put(_Call("refused", data.get("kind", ""), str(data.get("reason", "")), int(data.get("version", 0))))
@@ -357,7 +360,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             return (None, "") if call.args == (version, info.adapter) else None
         if call.name == "refused":
             kind, reason, refused = call.args
-            if refused not in (0, version):
+            if refused != version:  # another update's, or no update's (a stray peer's garbage: version 0)
                 return None
             if self._open is not None:  # opened in the model (streaming, a delta loaded early): the receiver ends it
                 self._refused = parse_kind(kind)  # with its abort or finish, queued after the loads it submitted,

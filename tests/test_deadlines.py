@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -239,6 +240,48 @@ class TwiceRefusingEngine(RawEngine):
     def begin(self, identity: bytes, version: int) -> None:
         for kind, reason in (("checksum", "ChecksumError: the cause"), ("wire", "bucket 1 arrived outside an update")):
             self.sock.send_multipart([identity, wire.encode(wire.Ack(version=version, ok=False, reason=reason, kind=kind))])
+
+
+def test_refusals_and_aborts_are_filed_under_the_version_their_sender_meant(start_receiver: Any) -> None:
+    """What ends an engine's wait for a version (the weight_bridge backend's update_weights ends on an event
+    naming it): a stray peer's garbage is refused under version 0 (no update); a malformed Begin under the
+    version its manifest names; a publisher whose send failed before its Begin (``abandon``) makes an
+    "aborted" event of that version, and none once its Begin went out or the version was refused already."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    rx = start_receiver(cfg(), engine(), events)
+
+    def seen(kind: str, version: int) -> list[dict[str, Any]]:
+        return [d for k, d in events if k == kind and d["version"] == version]
+
+    def until(kind: str, version: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 5
+        while not seen(kind, version) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen(kind, version), (kind, version, events)
+        return seen(kind, version)[0]
+
+    stray = RawClient(rx.endpoint, identity=b"stray")
+    try:
+        stray.send(b"\xc1 not our protocol")
+        assert stray.until(wire.Ack, timeout=5).version == 0
+        assert until("refused", 0)["kind"] == "wire"
+        norm = spec("model.norm.weight", "bfloat16", (8,))
+        broken = wire.Manifest(version=7, tensors=(norm,), bucket_sizes=(16,)).to_wire()
+        broken["tensors"] = "not a list"
+        stray.send(msgpack.packb({"type": "begin", "manifest": broken}, use_bin_type=True))
+        assert stray.until(wire.Ack, timeout=5).version == 7
+        assert until("refused", 7)["kind"] == "wire"
+        stray.send(wire.Abort(version=7, reason="after its refusal"))  # refused already: nothing more
+    finally:
+        stray.close()
+    with WeightPublisher([rx.endpoint], config=cfg()) as pub:
+        pub.publish(WEIGHTS, version=1)
+        pub.abandon(1, "its Begin went out: the engine heard of version 1 from the send itself")
+        pub.abandon(2, "the trainer's weights raised before the Begin")
+        assert until("aborted", 2)["reason"] == "the trainer's weights raised before the Begin"
+    time.sleep(0.2)
+    assert not seen("aborted", 1) and not seen("aborted", 7), events
+    assert [k for k, _ in events] == ["refused", "refused", "aborted"], events
 
 
 def test_publisher_reports_the_first_refusal() -> None:

@@ -328,3 +328,57 @@ def test_deltas_load_as_they_arrive_and_a_late_failure_restores_the_served_versi
     assert modes() == {"delta"}
     _read_back(server, model)
     trainer.shutdown()
+
+
+def test_a_stray_peer_leaves_the_update_waiting_and_a_send_failing_before_its_begin_ends_it(server: Any,
+                                                                                           cold: dict[int, Any]) -> None:
+    """While vLLM's ``update_weights`` waits for a version, a stray peer's garbage on rank 0's receiver endpoint is
+    refused to that peer alone (version 0: no update's) and the update then applies, equal to a cold load; a send
+    whose weights raise before its Begin tells the engines (an Abort of that version), so vLLM's call ends at once
+    instead of at its deadline, and the server keeps serving the version before."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from bridge import wire
+    from devtools.tiny_models import build_model
+    from tests.rawclient import RawClient
+    from trainer_side.vllm_backend import WeightBridgeInitInfo
+
+    url, kind, tp = server["url"], server["kind"], server["tp"]
+    served = requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+    first = int(served) + 1 if served.isdigit() else 1
+    port = free_port() if tp == 1 else 27510
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightBridgeInitInfo(rank=0, base_port=port, tp_size=tp, first_version=first, update_timeout_s=300),
+        client=HTTPVLLMWeightSyncClient(url), source=None)
+    model = build_model(kind, seed=6)
+    answered: list[int] = []
+
+    def after_a_stray_peer() -> Any:  # read by the publish, after vLLM's update_weights began waiting
+        stray = RawClient(f"tcp://127.0.0.1:{port}", identity=b"stray-peer")
+        try:
+            stray.send(b"\xc1 not this protocol")
+            answered.append(stray.until(wire.Ack, timeout=30).version)
+        finally:
+            stray.close()
+        time.sleep(0.5)  # its refusal reached the backend's wait before the Begin does
+        yield from model.named_parameters()
+
+    trainer.send_weights(weights=after_a_stray_peer(), version=first)
+    assert answered == [0]
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == str(first)
+    assert_same_outputs(_complete(server, [*PROMPTS, LONG]), cold[6][1])
+
+    def raising() -> Any:
+        yield from list(model.named_parameters())[:2]
+        raise RuntimeError("the trainer's weights could not be read")
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not be read"):
+        trainer.send_weights(weights=raising(), version=first + 1)
+    took = time.monotonic() - t0
+    assert took < 60, f"vLLM's update_weights waited {took:.0f}s for a version whose send had failed"
+    assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == str(first)
+    assert_same_outputs(_complete(server, [*PROMPTS, LONG]), cold[6][1])
+    trainer.shutdown()

@@ -280,3 +280,27 @@ def test_probe_logprob_must_be_a_number() -> None:
     data = _with_tensors([T], [16], probe={"sequences": [[1, 2]], "logprobs": [["abc"]]})
     with pytest.raises(WireError, match="probe logprob must be a number"):
         wire.decode(data)
+
+
+# ---- the version a refused header meant -----------------------------------------------------------
+
+@pytest.mark.parametrize(("data", "version"), [
+    (b"\xc1 not msgpack", 0),
+    (_pack([1, 2, 3]), 0),
+    (_pack({"type": "no-such-type", "version": 4}), 4),  # a message of another protocol that names one
+    (_with_tensors([_t(dtype=4)], [16], version=9), 9),  # a Begin whose manifest is malformed names its version
+    (_pack({"type": "begin", "manifest": {"version": 7, "tensors": "x"}}), 7),
+    (_pack({"type": "begin", "version": 7}), 0),  # a Begin's version is its manifest's
+    (_pack({"type": "begin", "manifest": {"version": True}}), 0),
+    (_pack({"type": "begin", "manifest": {"version": -3}}), 0),
+    (_pack({"type": "begin", "manifest": {"version": 1 << 63}}), 0),
+    (_pack({"type": "bucket", "version": 5, "index": -1}), 5),
+    (_pack({"type": "end"}), 0),
+], ids=["garbage", "list", "other-type", "begin-bad-dtype", "begin-bad-tensors", "begin-no-manifest", "bool", "negative",
+        "huge", "bucket", "none"])
+def test_claimed_version_names_the_update_a_refused_header_meant(data: bytes, version: int) -> None:
+    """The receiver refuses a header ``decode`` rejects under this version: a publisher's broken Begin ends its
+    own update (vLLM's update_weights waiting for it), a stray peer's garbage (0) ends none."""
+    with pytest.raises(WireError):
+        wire.decode(data)
+    assert wire.claimed_version(data) == version

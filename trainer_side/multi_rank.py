@@ -228,6 +228,12 @@ class RankedPublisher:
             self._data.append(sock)
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    def abandon(self, version: int, reason: str) -> None:
+        """Rank 0: ``UpdateSender.abandon`` (the engines stop waiting for a version whose Begin never went out);
+        the other ranks: nothing (they talk to rank 0 only)."""
+        if self._control is not None:
+            self._control.abandon(version, reason)
+
     def close(self) -> None:
         """Close the engines' link (rank 0), this rank's data sockets and the ranks' channel; closing twice is
         harmless."""

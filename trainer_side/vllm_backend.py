@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 from bridge import wire
 from bridge.config import config_from_dict
 from bridge.errors import BridgeError, ConfigError, UpdateFailed
-from bridge.report import FailureKind
+from bridge.report import FailureKind, describe
 from bridge.sender import PublishReport
 from bridge.vllm_plugin import ADAPTER_ROUTE, BACKEND, register
 from trainer_side.multi_rank import RankedPublisher
@@ -370,6 +370,9 @@ class _Session:
         """After the publish (``error``: how it failed, None: every engine applied it)."""
         engine, version, failure, holder = self.engine, self.version, self.failure, self.holder
         assert holder is not None, "the session was not opened"
+        sender = engine._publisher or engine._ranked
+        if error is not None and sender is not None:  # failed before its Begin: the engines stop waiting
+            sender.abandon(version, describe(error))
         holder.join(engine.init_info.update_timeout_s + 30)
         if error is None and not failure and not holder.is_alive():
             if self.adapter is not None:  # the base's label (/weight_info) stays
