@@ -299,9 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--dir", default=".", metavar="DIR", help="where to write the files (default: .)")
     sweep = add("sweep-shm", cmd_sweep_shm, "remove /dev/shm segments of dead processes, killed vLLM engines' included",
                 "Remove what dead processes left in /dev/shm: weight-bridge's own segments whose maker died, and\n"
-                "vLLM's own message queues and buffers (psm_*) that no live process maps or holds open and that\n"
-                "did not change for --min-age seconds (an engine killed with SIGKILL leaves them; a live engine's\n"
-                "are kept). Receivers do this when they start (serve.sweep_vllm_shm). Prints what it removed and\n"
+                "vLLM's own message queues and buffers (psm_*; vllm_dist_*-cpushm_* of CPU engines at TP >= 2)\n"
+                "that no live process maps or holds open and that did not change for --min-age seconds (an\n"
+                "engine killed with SIGKILL leaves them; a live engine's are kept). Receivers do this when they\n"
+                "start (serve.sweep_vllm_shm). Prints what it removed and\n"
                 "what it could not clean and why; exit status 1 when something is left that it could not judge\n"
                 "or remove (run it as root, in the pid namespace of every process sharing this /dev/shm).",
                 epilog="example:\n  weight-bridge sweep-shm")

@@ -1,4 +1,5 @@
-"""vLLM's own shared-memory segments (``/dev/shm/psm_*``) left behind by engines that were killed.
+"""vLLM's own shared-memory segments (``/dev/shm/psm_*``, and ``vllm_dist_*-cpushm_*`` on CPU at TP >= 2) left behind
+by engines that were killed.
 
 vLLM's message queues (``distributed/device_communicators/shm_broadcast.py``: the executor's RPC broadcast
 queue and the workers' response queues), its object storage and tensor arena all live in Python
@@ -9,8 +10,13 @@ way out (``ShmRingBuffer.__del__``, ``SingleWriterShmRingBuffer.close``); its re
 that exits unlinks its segments; one that is killed (SIGKILL, the OOM killer) together with the resource
 tracker it started leaves them in ``/dev/shm``, which is memory, up to 250 MB each.
 
-So a ``psm_*`` segment that no live process maps or holds open has lost every process that used it: its
-engine died. The one short exception in vLLM is ``is_in_the_same_node`` (``distributed/parallel_state.py``),
+On CPU with TP >= 2 each worker also makes one segment for the workers' shared-memory collectives (vLLM's C++
+``init_shm_manager``, ``device_communicators/cpu_communicator.py``), named
+``vllm_dist_<32 hex>-<group>-[<ranks>]-cpushm_<rank>``: every worker of the group maps every one of them for as long
+as the engine lives (its file descriptor is closed once mapped), and the engine unlinks them on a clean exit.
+
+So a ``psm_*`` segment that no live process maps or holds open, or a ``cpushm`` segment no live process maps, has
+lost every process that used it: its engine died. The one short exception in vLLM is ``is_in_the_same_node`` (``distributed/parallel_state.py``),
 whose 128-byte probe is closed by every rank, then unlinked by its maker after a barrier; so a segment is
 only removed once nothing wrote to it for ``min_age_s`` as well (its modification time, which writes through a
 mapping move too).
@@ -18,7 +24,9 @@ mapping move too).
 What this cannot tell, and so leaves alone (``VllmSweepReport.not_cleaned`` says which and why):
 
 * a segment owned by a user one of whose processes this sweeper cannot inspect (``/proc/PID/fd`` not
-  readable; a process whose ``/proc/PID/maps`` alone is hidden is judged by its open files). Run as another
+  readable; a process whose ``/proc/PID/maps`` alone is hidden, such as a non-dumpable one, is judged by its
+  open files, which a ``cpushm`` segment's users do not keep: such a process is not seen using one, and
+  removing a live engine's removes only its name, which its workers open while they start). Run as another
   user than root, the sweep does not see a root process that maps a segment of this user (a ``psm_*`` file
   is 0600: only its owner and root can open it);
 * a segment this user may not remove (another user's file in the sticky ``/dev/shm``, when not root);
@@ -39,14 +47,15 @@ from bridge.shm import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
-PSM_RE = re.compile(r"psm_[0-9a-f]{8}")  # multiprocessing.shared_memory's names on POSIX
+# multiprocessing.shared_memory's names on POSIX; the CPU workers' collectives (TP >= 2)
+SEGMENT_RE = re.compile(r"psm_[0-9a-f]{8}|vllm_dist_[0-9a-f]{32}-.+-cpushm_[0-9]+")
 MIN_AGE_S = 60.0
 PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
 class Segment:
-    """What the sweep knows of one ``psm_*`` file."""
+    """What the sweep knows of one segment file."""
 
     name: str
     inode: int
@@ -94,7 +103,7 @@ def _segments(directory: Path) -> list[Segment]:
     except OSError:
         return []
     for name in names:
-        if PSM_RE.fullmatch(name) is None:
+        if SEGMENT_RE.fullmatch(name) is None:
             continue
         try:
             st = os.stat(directory / name, follow_symlinks=False)
@@ -152,7 +161,7 @@ def scan_users(directory: Path = SHM_DIR, proc: Path = PROC) -> Users:
 
 
 def sweep_vllm_segments(directory: Path = SHM_DIR, min_age_s: float = MIN_AGE_S, proc: Path = PROC) -> VllmSweepReport:
-    """Unlink the ``psm_*`` segments in ``directory`` that no live process maps or holds open and that did not
+    """Unlink vLLM's segments in ``directory`` (``SEGMENT_RE``) that no live process maps or holds open and that did not
     change for ``min_age_s``: those of vLLM engines that were killed (see the module's docstring). Segments in
     use, young ones and those it cannot judge or remove are kept; the report lists each group. Reads every
     process's ``/proc/PID/maps`` only when some segment is old enough to be a candidate."""

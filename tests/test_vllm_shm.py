@@ -37,6 +37,24 @@ sys.stdin.read()
 shm.close()
 shm.unlink()
 """
+# a CPU worker's collectives segment at TP >= 2, made as vLLM's C++ shm manager makes it: mapped, its descriptor closed
+CPUSHM_HOLDER = """
+import ctypes, mmap, os, sys, uuid
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+name = f"vllm_dist_{uuid.uuid4().hex}-tp:0-[0-1]-cpushm_0"
+fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096 * 4)
+addr = libc.mmap(None, 4096 * 4, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+os.close(fd)  # mapped, no descriptor left (Python's mmap module would keep a duplicate open)
+ctypes.memmove(addr, b"hello", 5)
+print(name, flush=True)
+sys.stdin.read()
+os.unlink(f"/dev/shm/{name}")
+"""
+NAMES = {"psm": r"psm_[0-9a-f]{8}", "cpushm": r"vllm_dist_[0-9a-f]{32}-tp:0-\[0-1\]-cpushm_0"}
 
 
 def _seg(**fields: Any) -> Segment:
@@ -52,16 +70,19 @@ def _seg(**fields: Any) -> Segment:
     (_seg(), Users(frozenset(), frozenset(), frozenset({1000})), 1000.0, "cannot tell"),  # its owner's process hidden
     (_seg(), Users(frozenset(), frozenset(), frozenset({0})), 1000.0, "remove"),  # another uid's process hidden
     (_seg(), Users(frozenset({7}), frozenset(), frozenset({1000})), 1000.0, "in_use"),
+    (_seg(name=f"vllm_dist_{'a' * 32}-tp:0-[0-1]-cpushm_1", inode=9), Users(frozenset({9}), frozenset(), frozenset()),
+     1000.0, "in_use"),  # a CPU worker's collectives segment (TP >= 2), mapped
 ])
 def test_verdict(segment: Segment, users: Users, now: float, want: str) -> None:
     assert verdict(segment, users, now, 60.0).startswith(want)
 
 
-def _holder() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+def _holder(kind: str = "psm") -> tuple[subprocess.Popen[str], str]:
+    script = HOLDER if kind == "psm" else CPUSHM_HOLDER
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     name = proc.stdout.readline().strip()  # type: ignore[union-attr]
-    assert re.fullmatch(r"psm_[0-9a-f]{8}", name), name
+    assert re.fullmatch(NAMES[kind], name), name
     return proc, name
 
 
@@ -87,12 +108,13 @@ def _age(name: str, seconds: float) -> None:
 
 @pytest.fixture
 def holders() -> Iterator[Any]:
-    """make(alive) -> a SharedMemory segment's name: its holder stays alive, or is SIGKILLed with its whole
-    process group (nothing unlinks the segment then). Everything is ended and removed afterwards."""
+    """make(alive, kind="psm") -> a segment's name (a SharedMemory's, or a CPU worker's collectives segment):
+    its holder stays alive, or is SIGKILLed with its whole process group (nothing unlinks the segment then).
+    Everything is ended and removed afterwards."""
     made: list[tuple[subprocess.Popen[str], str]] = []
 
-    def make(alive: bool) -> str:
-        proc, name = _holder()
+    def make(alive: bool, kind: str = "psm") -> str:
+        proc, name = _holder(kind)
         made.append((proc, name))
         if not alive:
             _kill_group(proc)
@@ -106,12 +128,13 @@ def holders() -> Iterator[Any]:
         (SHM_DIR / name).unlink(missing_ok=True)
 
 
-def test_sweep_removes_dead_holders_segments_and_keeps_live_and_young_ones(holders: Any) -> None:
-    dead, young, live = holders(alive=False), holders(alive=False), holders(alive=True)
+@pytest.mark.parametrize("kind", ["psm", "cpushm"])
+def test_sweep_removes_dead_holders_segments_and_keeps_live_and_young_ones(holders: Any, kind: str) -> None:
+    dead, young, live = holders(alive=False, kind=kind), holders(alive=False, kind=kind), holders(alive=True, kind=kind)
     for name in (dead, live):
         _age(name, 120)  # not written for two minutes: only its users keep it now
     users = scan_users()
-    assert (SHM_DIR / live).stat().st_ino in users.mapped and live in users.open
+    assert (SHM_DIR / live).stat().st_ino in users.mapped and (live in users.open) == (kind == "psm")  # cpushm: mapped only
     report = sweep_vllm_segments()
     assert dead in report.removed and report.bytes >= 4 * 4096
     assert young in report.young and live in report.in_use
