@@ -100,7 +100,7 @@ class UpdateSender:
         # CURVE towards the engines: curve_server_public ("" for none) overrides transport.curve_server_public
         self._curve = client_curve(self.config.transport, curve_server_public)
         self._current = 0  # version being published
-        self._begun = 0  # the last version whose Begin went out (abandon tells only before it did)
+        self._begun = 0  # the version whose Begin this send sent (abandon tells only before it did)
         self._aborted = ""  # set by abort(), from any thread: every send fails from then on
         self._planes: dict[str, SendPlane] = {}  # kept across updates: their buffers are reused
         self._peers = [self._connect(ep) for ep in ([endpoints] if isinstance(endpoints, str) else endpoints)]
@@ -136,6 +136,10 @@ class UpdateSender:
         (50 ms), its engines told to drop the update, and every later send fail too; the publisher is
         done. Safe to call from any thread: it only sets a flag that the sending thread reads."""
         self._aborted = reason or "aborted"
+
+    def _starting(self, version: int) -> None:
+        """A send of ``version`` begins (its Begin has not gone out yet)."""
+        self._current, self._begun = version, 0
 
     def abandon(self, version: int, reason: str) -> None:
         """Tell every engine that ``version`` will not come (an Abort), unless its Begin went out (a send that
@@ -258,7 +262,7 @@ class UpdateSender:
         if self.transport != "shm":
             raise TransportError(f"forward sends buckets that lie in shared memory: the transport must be shm, not {self.transport}")
         t_start = time.perf_counter()
-        self._current = manifest.version
+        self._starting(manifest.version)
         self._agreed_dtype()
         manifest = replace(manifest, publisher=self.name, transport="shm", delta=None)  # staged buckets hold full tensors
 
@@ -274,7 +278,7 @@ class UpdateSender:
         ``manifest.by_bucket()`` order. Over this sender's transport; raises UpdateFailed as ``publish`` does.
         A relay's path for what it holds (a joining engine, a peer relay)."""
         t_start = time.perf_counter()
-        self._current = manifest.version
+        self._starting(manifest.version)
         self._agreed_dtype()
         manifest = replace(manifest, publisher=self.name, transport=self.transport, delta=None)
         plane = self._plane()

@@ -265,7 +265,7 @@ class SyncReceiver:
             self._plane(session.manifest.transport).drop(identity)
             remember(self._refused, identity, session.manifest.version)
             adapter = adapter or (session.manifest.adapter.name if session.manifest.adapter else "")
-        elif version > 0:  # a Begin refused before its session: its late buckets and Abort get no other answer
+        elif version > 0:  # a Begin refused before its session: its late buckets get no other answer
             remember(self._refused, identity, version)
         self._send(sock, identity, wire.Ack(version=version, ok=False, reason=reason, kind=kind.value))
         self.on_event("refused", {"version": version, "reason": reason, "kind": kind.value,
@@ -320,9 +320,9 @@ class SyncReceiver:
                 del self._noops[identity]
                 logger.warning("version %s from %r: %s", msg.version, identity, msg.reason)
                 self.on_event("conflict", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.CONFLICT.value})
-            elif session is None and msg.version > 0 and self._refused.get(identity) != msg.version:
-                # a publisher whose send failed before its Begin (UpdateSender.abandon): whoever waits for that
-                # version (the weight_bridge backend's update_weights) stops waiting
+            elif session is None and msg.version > 0:
+                # a publisher whose send failed before its Begin (UpdateSender.abandon; also a retry of a version
+                # refused before): whoever waits for that version (the weight_bridge backend's update_weights) stops
                 self.on_event("aborted", {"version": msg.version, "reason": msg.reason, "kind": FailureKind.ABORTED.value})
         else:
             self._fail(sock, identity, 0, FailureKind.WIRE, f"unexpected message {msg.type!r} from a publisher")

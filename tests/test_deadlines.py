@@ -246,7 +246,8 @@ def test_refusals_and_aborts_are_filed_under_the_version_their_sender_meant(star
     """What ends an engine's wait for a version (the weight_bridge backend's update_weights ends on an event
     naming it): a stray peer's garbage is refused under version 0 (no update); a malformed Begin under the
     version its manifest names; a publisher whose send failed before its Begin (``abandon``) makes an
-    "aborted" event of that version, and none once its Begin went out or the version was refused already."""
+    "aborted" event of that version, none once that send's Begin went out, and one again when a retry of a
+    refused version fails before its own Begin."""
     events: list[tuple[str, dict[str, Any]]] = []
     rx = start_receiver(cfg(), engine(), events)
 
@@ -271,17 +272,28 @@ def test_refusals_and_aborts_are_filed_under_the_version_their_sender_meant(star
         stray.send(msgpack.packb({"type": "begin", "manifest": broken}, use_bin_type=True))
         assert stray.until(wire.Ack, timeout=5).version == 7
         assert until("refused", 7)["kind"] == "wire"
-        stray.send(wire.Abort(version=7, reason="after its refusal"))  # refused already: nothing more
     finally:
         stray.close()
+
+    def raising() -> Any:
+        yield WEIGHTS[0]
+        raise RuntimeError("the trainer's weights could not be read")
+
     with WeightPublisher([rx.endpoint], config=cfg()) as pub:
         pub.publish(WEIGHTS, version=1)
         pub.abandon(1, "its Begin went out: the engine heard of version 1 from the send itself")
         pub.abandon(2, "the trainer's weights raised before the Begin")
         assert until("aborted", 2)["reason"] == "the trainer's weights raised before the Begin"
+        with pytest.raises(UpdateFailed):
+            pub.publish([(n, t.clone().fill_(float("nan"))) if i == 3 else (n, t) for i, (n, t) in enumerate(WEIGHTS)], 3)
+        assert until("refused", 3)["kind"] == "nonfinite"
+        with pytest.raises(RuntimeError, match="could not be read"):
+            pub.publish(raising(), 3)  # the retry of version 3 fails before its own Begin
+        pub.abandon(3, "the retry's weights raised")
+        assert until("aborted", 3)["reason"] == "the retry's weights raised"
     time.sleep(0.2)
     assert not seen("aborted", 1) and not seen("aborted", 7), events
-    assert [k for k, _ in events] == ["refused", "refused", "aborted"], events
+    assert [k for k, _ in events] == ["refused", "refused", "aborted", "refused", "aborted"], events
 
 
 def test_publisher_reports_the_first_refusal() -> None:

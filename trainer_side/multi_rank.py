@@ -371,7 +371,7 @@ class RankedPublisher:
         control = self._control
         assert control is not None, "the publisher is closed"
         t_start = time.perf_counter()
-        control._current = version
+        control._starting(version)
         dtype = control._agreed_dtype()
         self._broadcast({"t": "start", "v": version, "dtype": dtype})
         plan, held = self._plan(named, dtype)

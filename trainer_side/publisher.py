@@ -41,7 +41,7 @@ class WeightPublisher(DeltaSender):
         if adapter is not None and probe is not None:
             raise ConfigError("a probe scores the base weights: publish an adapter without one")
         t_start = time.perf_counter()
-        self._current = version
+        self._starting(version)
         dtype = self._agreed_dtype()
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
