@@ -133,9 +133,32 @@ def test_with_deltas_the_ranks_send_deltas_through_vllms_api_equal_to_a_cold_loa
     got = run["deltas"]
     assert got["code"] == 0, got["log"]
     zero, one = got["ranks"]
-    assert [(r["ok"], r["mode"]) for r in zero] == [(True, "dense"), (True, "delta"), (True, "delta")], (zero, got["log"])
-    assert [(r["version"], r["ok"], r["mode"], r["bytes"]) for r in zero] == [(r["version"], r["ok"], r["mode"], r["bytes"]) for r in one]
-    assert all(r["ratio"] < 0.05 for r in zero[1:]), [r["ratio"] for r in zero]  # wire bytes against dense
+    sent = [(r["ok"], r.get("mode")) for r in zero]
+    assert sent == [(True, "dense"), (True, "delta"), (True, "delta"), (False, None), (True, "delta")], (zero, got["log"])
+    assert [(r["version"], r["ok"], r.get("mode"), r.get("bytes")) for r in zero] == \
+        [(r["version"], r["ok"], r.get("mode"), r.get("bytes")) for r in one]
+    assert all(r["ratio"] < 0.05 for r in zero[1:3]), [r.get("ratio") for r in zero]  # wire bytes against dense
     last = zero[-1]
-    assert last["served"]["weight_version"] == str(last["version"])
+    assert last["version"] == 13 and last["served"]["weight_version"] == "13"
     assert_same_outputs(last["served"]["outputs"], cold[0.0])
+
+
+def test_a_rank_failing_while_rank_0_assembles_fails_before_vllm_is_asked_and_the_retry_applies(
+        run: dict[str, Any]) -> None:
+    """With deltas on, rank 1's ranges of bucket 0 fail while rank 0 assembles version 13: rank 0 opens vLLM's
+    update session only once the model is assembled, so nothing was asked of the server (no ``update_weights``
+    waiting out its 120 s deadline, no pause); both ranks raise the same ``RankFailed`` naming rank 1 (no engine
+    heard of the version), the server keeps serving version 12, and the same weights sent again apply."""
+    zero, one = run["deltas"]["ranks"]
+    failed = zero[3]
+    assert failed["version"] == 13 and not failed["ok"] and failed["error"] == "RankFailed", failed
+    assert "trainer rank 1 failed before sending bucket 0 of version 13" in failed["message"], failed
+    assert "the test's fault" in failed["message"], failed
+    assert failed["reasons"] == {} and failed["seconds"] < 60, failed  # no update_weights answer: none was asked
+    assert {k: one[3][k] for k in ("ok", "error", "message", "reasons")} == \
+        {k: failed[k] for k in ("ok", "error", "message", "reasons")}, (one[3], failed)
+    assert failed["trainer_version"] == one[3]["trainer_version"] == 12
+    assert failed["served"]["weight_version"] == "12"
+    assert_same_outputs(failed["served"]["outputs"], zero[2]["served"]["outputs"], tol=0.0)
+    again = zero[4]
+    assert again["ok"] and one[4]["ok"] and again["trainer_version"] == one[4]["trainer_version"] == 13, (again, one[4])

@@ -16,7 +16,8 @@ With a fourth argument ``deltas`` (a second torchrun against the same server) th
 with ``sync.delta`` on (``first_version=10``: the server serves version 3) and send versions 10, 11 and 12:
 version 3's weights (``build_model("tiny", 2)`` times 0.25;
 dense, as the publisher has no base yet), then two of about 0.8% changed elements each
-(``tests.ranks_worker.step``), as deltas.
+(``tests.ranks_worker.step``), as deltas; then version 13 twice with the same weights, rank 1's own part failing
+at bucket 0 the first time (while rank 0 assembles the model, before any Begin went out).
 
 Each rank writes what each call returned to ``OUT/rank{R}.json`` as it goes; rank 0 adds what the server serves
 after each call (``/weight_info`` and greedy completions of ``tests.helpers.PROMPTS``).
@@ -129,6 +130,7 @@ def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
     def send(version: int) -> None:
         """``send_weights()`` with the default version (the one after the last applied): ``version``."""
         assert trainer.version + 1 == version, (trainer.version, version)
+        t0 = time.monotonic()
         try:
             trainer.send_weights()
             report = trainer.last_report
@@ -140,6 +142,7 @@ def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
             result = {"version": version, "ok": False, "error": type(exc).__name__, "message": str(exc),
                       "reasons": getattr(exc, "reasons", {})}
         result["trainer_version"] = trainer.version
+        result["seconds"] = time.monotonic() - t0
         if rank == 0:
             result["served"] = served(url)
         results.append(result)
@@ -152,14 +155,14 @@ def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
 
     write = multi_rank.RankedPublisher._write
 
-    def patched(fault: str) -> Any:
+    def patched(fault: str, at: int = 1) -> Any:
         def faulty_write(self: Any, index: int, *args: Any, **kwargs: Any) -> Any:
-            if index == 1:
+            if index == at:
                 multi_rank.RankedPublisher._write = write  # type: ignore[method-assign]  # once
                 if fault == "exit":
                     time.sleep(1.0)  # its report of bucket 0 leaves the socket first
                     os._exit(0)
-                raise BridgeError("rank 1 could not pack its share of bucket 1 (the test's fault)")
+                raise BridgeError(f"rank 1 could not pack its share of bucket {at} (the test's fault)")
             return write(self, index, *args, **kwargs)
 
         return faulty_write
@@ -173,6 +176,10 @@ def main(url: str, base_port: int, out: Path, mode: str = "faults") -> None:
         for k in (1, 2):
             step(model, k)
             send(first + k)
+        if rank == 1:  # its ranges of bucket 0 fail while rank 0 assembles the model: before any Begin went out
+            multi_rank.RankedPublisher._write = patched("raise", at=0)  # type: ignore[method-assign]
+        send(first + 3)
+        send(first + 3)  # the same weights again
         trainer.shutdown()
         return
     send(1)
