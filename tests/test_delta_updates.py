@@ -242,6 +242,29 @@ def test_the_estimate_reads_any_tensor_shape_and_dtype() -> None:
     assert "of the elements changed" in plan_update(base, snap.manifest, plan, tensors)
 
 
+@pytest.mark.parametrize(("big", "small", "dense"), [(0.40, 1.0, False), (0.55, 0.0, True), (0.0, 1.0, False)],
+                         ids=["big-40%-small-all", "big-55%-small-none", "big-none-small-all"])
+def test_the_estimate_weighs_each_tensor_by_its_size(big: float, small: float, dense: bool) -> None:
+    """A large tensor is sampled on about ``SAMPLE_PER_TENSOR`` elements, a small one on one in
+    ``SAMPLE_STRIDE``: the update's changed share is each tensor's share weighted by its size. 4M elements with
+    40% changed and 64k all changed are 41% of the update (a delta), though most sampled elements changed."""
+    import torch
+
+    from trainer_side.delta_publish import plan_update
+
+    gen = torch.Generator().manual_seed(3)
+    old = {"model.embed_tokens.weight": torch.randn(4096, 1024, generator=gen).to(torch.bfloat16),
+           "model.norm.weight": torch.randn(65536, generator=gen).to(torch.bfloat16)}
+    new = {k: v.clone() for k, v in old.items()}
+    for name, share in (("model.embed_tokens.weight", big), ("model.norm.weight", small)):
+        flat = new[name].view(-1)
+        hit = torch.rand(flat.numel(), generator=gen) < share
+        flat[hit] = (flat[hit].float() * 2 + 1).to(torch.bfloat16)  # every hit element's bits change
+    base, snap, plan, tensors = _snapshots(old, new)
+    reason = plan_update(base, snap.manifest, plan, tensors)
+    assert ("of the elements changed" in reason) == dense, reason
+
+
 @pytest.mark.parametrize("case", ["new-weights", "not-paying"])
 def test_a_bucket_goes_whole_when_its_patches_do_not_pay(case: str) -> None:
     """The estimate said delta, but this bucket changed more than it said: it goes whole (``encode_in_place``
