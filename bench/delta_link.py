@@ -11,6 +11,8 @@ to the root namespace by a veth pair shaped on both ends with ``tc qdisc ... tbf
 binds 0.0.0.0 with ``transport.allow_unauthenticated: true`` (plain ZMQ, no CURVE: a trusted link). Paths:
 
 - ``loopback``: the trainer process (``bench/trainer.py``) in the same namespace, over ``tcp://127.0.0.1``;
+- ``shm`` (not in the default list): the same, the buckets in shared memory (``transport.kind: shm``; control over
+  ``tcp://127.0.0.1``);
 - ``10gbit``, ``1gbit``: the trainer process in the root namespace, over ``tcp://10.200.<i>.2`` through the veth pair.
 
 Each version is the previous one with a share (the density) of every tensor's bf16 elements scaled by
@@ -179,7 +181,7 @@ def _load() -> list[float]:
 
 
 def measure_block(trainer: Child, engine: Child, endpoint: str, plan: Plan, density: float, delta: bool,
-                  versions: Versions, seeds: Versions) -> dict[str, Any]:
+                  versions: Versions, seeds: Versions, transport: str = "zmq") -> dict[str, Any]:
     """An untimed warm-up sync, then ``plan.reps`` of (next version at ``density``, a sync, baseline B)."""
     answer = engine.ask(op="delta", on=delta)
     if not answer.get("ok"):
@@ -188,7 +190,7 @@ def measure_block(trainer: Child, engine: Child, endpoint: str, plan: Plan, dens
     syncs, b, reports = [], [], []
     for i in range(plan.reps + 1):
         trainer.ask(op="step", density=density, seed=seeds.next())
-        rep = trainer.ask(op="publish", endpoints=[endpoint], transport="zmq", version=versions.next(), config=config,
+        rep = trainer.ask(op="publish", endpoints=[endpoint], transport=transport, version=versions.next(), config=config,
                           timeout_s=600)
         if not rep.get("ok") or not all(e["ok"] and e["verified"] for e in rep["engines"]):
             raise RuntimeError(f"{'delta' if delta else 'dense'} sync at density {density:g} failed or unverified: {rep}")
@@ -225,8 +227,9 @@ def measure_path(trainer: Child, engine: Child, endpoint: str, kind: str, path: 
     for density in plan.densities:
         load = _load()
         t0 = time.time()
-        dlt = measure_block(trainer, engine, endpoint, plan, density, True, versions, seeds)
-        dense = measure_block(trainer, engine, endpoint, plan, density, False, versions, seeds)
+        transport = "shm" if path == "shm" else "zmq"
+        dlt = measure_block(trainer, engine, endpoint, plan, density, True, versions, seeds, transport)
+        dense = measure_block(trainer, engine, endpoint, plan, density, False, versions, seeds, transport)
         row = {"model": kind, "path": path, "density": density, "mode": plan.mode, "load_average_start": load,
                "load_average_end": _load(), "started": time.strftime("%H:%M:%S", time.gmtime(t0)),
                "delta": dlt, "dense": dense,
@@ -249,7 +252,7 @@ def run_model(kind: str, plan: Plan, workdir: Path, versions: Versions, seeds: V
     from devtools.tiny_models import make_checkpoint
 
     ckpt = make_checkpoint(kind, workdir / f"{kind}-ckpt", CHECKPOINT_SEED)
-    rates = [p for p in plan.paths if p != "loopback"]
+    rates = [p for p in plan.paths if p not in ("loopback", "shm")]
     link = Link(NAMESPACE, index=plan.link_index, rate=rates[0] if rates else "10gbit")
     with shaped_link(link):
         engine_config = {"transport": {"bind_host": "0.0.0.0", "allow_unauthenticated": True, "bucket_mb": plan.bucket_mb},
@@ -264,7 +267,7 @@ def run_model(kind: str, plan: Plan, workdir: Path, versions: Versions, seeds: V
             bound = ["taskset", "-c", plan.trainer_cores] if plan.trainer_cores else []
             for path in plan.paths:
                 command = [*bound, sys.executable, "-m", "bench.trainer", "--kind", kind]
-                if path == "loopback":
+                if path in ("loopback", "shm"):
                     argv, endpoint = exec_in(link, command), f"tcp://127.0.0.1:{port}"
                 else:
                     link = replace(link, rate=path)
