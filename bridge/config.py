@@ -92,8 +92,10 @@ class SyncConfig:
     # serve when that pays; a staged receiver keeps the version it last applied (one model of host RAM) to
     # rebuild full tensors from patches. false on either side: dense updates only (a receiver refuses patches
     # with kind ``base`` and its publisher resends dense). A multi-rank publisher assembles the model on rank 0's
-    # host first (one more model, in /dev/shm); false keeps its ranks sending their own ranges (docs/multi_rank.md)
-    delta: bool = True
+    # host first (one more model, in /dev/shm); false keeps its ranks sending their own ranges (docs/multi_rank.md).
+    # auto (the default): true for updates over zmq, gloo and nccl, false for those over shm, where a delta takes
+    # about as long as dense and the bases would only cost memory (``deltas_over``)
+    delta: bool | Literal["auto"] = "auto"
     # a delta patched in the receiver's base store goes to the engine bucket by bucket as each is verified (staged:
     # not after the last one; streaming: from the store, not a rebuilt copy), into an engine that can put the
     # served version back from that store should the update fail later (docs/delta.md): the load overlaps the
@@ -102,9 +104,18 @@ class SyncConfig:
     delta_early_load: bool = True
 
     def __post_init__(self) -> None:
+        if self.delta not in (True, False, "auto") or isinstance(self.delta, int) and not isinstance(self.delta, bool):
+            raise ConfigError(f"sync.delta: {self.delta!r} is not one of [true, false, 'auto']")
         if self.host_copy and self.mode != "staged":
             # streaming updates do not refresh the copy yet: restoring it would serve stale weights
             raise ConfigError("sync.host_copy is only supported with sync.mode: staged")
+
+    def deltas_over(self, transport: str) -> bool:
+        """Whether an update over ``transport`` uses deltas: a publisher sends it as a delta where that pays, a
+        receiver keeps it as the next delta's base. ``delta: true`` always, ``false`` never, ``"auto"`` on every
+        transport but ``shm`` (one host: a delta takes about as long as a dense update there, docs/benchmarks.md
+        "Over shared memory on one host", and the bases cost a model of host RAM on each side)."""
+        return self.delta is True or (self.delta == "auto" and transport != "shm")
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ class UpdateSender:
         t_start = time.perf_counter()
         self._starting(manifest.version)
         self._agreed_dtype()
-        manifest = replace(manifest, publisher=self.name, transport="shm", delta=None)  # staged buckets hold full tensors
+        manifest = replace(manifest, publisher=self.name, transport="shm", delta=None, keep_base=False)  # staged buckets hold full tensors
 
         def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
             segment, sums = staged(index)
@@ -280,7 +280,7 @@ class UpdateSender:
         t_start = time.perf_counter()
         self._starting(manifest.version)
         self._agreed_dtype()
-        manifest = replace(manifest, publisher=self.name, transport=self.transport, delta=None)
+        manifest = replace(manifest, publisher=self.name, transport=self.transport, delta=None, keep_base=False)
         plane = self._plane()
 
         def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:

@@ -68,6 +68,11 @@ def _float(value: Any, what: str) -> float:
     return float(value)
 
 
+def _flag(value: Any, what: str) -> bool:
+    _require(isinstance(value, bool), f"{what} must be true or false, not {_brief(value)}")
+    return bool(value)
+
+
 def _str(value: Any, what: str, max_len: int = MAX_NAME_LEN) -> str:
     _require(isinstance(value, str), f"{what} must be a string, got {type(value).__name__}")
     _require(len(value) <= max_len, f"{what} is longer than {max_len} characters")
@@ -214,6 +219,9 @@ class Manifest:
     # sent by many trainer ranks: which rank writes which byte ranges of each tensor (bridge/shards.py);
     # each bucket header then carries one checksum per range of the bucket, in this manifest's range order
     shards: ShardManifest | None = None
+    # the publisher keeps this version as the base of its next delta (it sends deltas over this transport): a
+    # receiver with ``sync.delta: auto`` keeps it too (bridge/config.py ``SyncConfig.deltas_over``)
+    keep_base: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -238,6 +246,7 @@ class Manifest:
             **({"adapter": self.adapter.to_wire()} if self.adapter is not None else {}),
             **({"delta": self.delta.to_wire()} if self.delta is not None else {}),
             **({"shards": self.shards.to_wire()} if self.shards is not None else {}),
+            **({"keep_base": True} if self.keep_base else {}),
         }
 
     @classmethod
@@ -261,6 +270,7 @@ class Manifest:
             adapter=AdapterSpec.from_wire(raw["adapter"]) if raw.get("adapter") is not None else None,
             delta=_delta_from_wire(raw["delta"]) if raw.get("delta") is not None else None,
             shards=_shards(raw["shards"]) if raw.get("shards") is not None else None,
+            keep_base=_flag(raw.get("keep_base", False), "manifest.keep_base"),
         )
         known = (*checksums.KNOWN, checksums.NONE)
         _require(manifest.checksum in known, f"unknown checksum algorithm {manifest.checksum!r} (known: {', '.join(known)})")

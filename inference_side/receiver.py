@@ -73,7 +73,7 @@ class SyncReceiver:
         self._planes: dict[str, LandPlane] = {}  # each transport's receiving end, made on first use
         self._curve: ServerCurve | None = None
         # delta updates: the version last applied, to rebuild full tensors from patches
-        self.bases = bases if bases is not None else (BaseStore() if config.sync.delta else None)
+        self.bases = bases if bases is not None else (BaseStore() if config.sync.delta is not False else None)
         self._keeps_bases = bases is None
         # the engine's calls that may reload the served version from ``bases`` (a delta loaded early: its finish,
         # its abort): no other delta is patched into the store until they are done
@@ -503,7 +503,7 @@ class SyncReceiver:
             self._refuse(sock, session.identity, m.version, exc)
             return
         session.timings["receive"] = session.timings.get("receive", 0.0) + time.perf_counter() - t0
-        if self.bases is not None and self._keeps_bases and m.adapter is None and session.streaming and not session.early:
+        if self.bases is not None and self._keeps_base_of(m) and session.streaming and not session.early:
             # the next delta's base, adopted once applied (not over the store while it may restore an early delta)
             restoring = any(not f.done() for f in self._restoring)
             copied = self.bases.copy(m, session.buckets[index], self._pool, in_place=not restoring)
@@ -515,6 +515,23 @@ class SyncReceiver:
             if session.streaming and not session.early:
                 return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))
+
+    def _keeps_base_of(self, m: wire.Manifest) -> bool:
+        """The update ``m`` (of the base model) becomes this receiver's next delta base, as it keeps bases of its
+        own: with ``sync.delta: true`` every one; with ``auto`` (the default) a delta (its chain goes on) and a
+        dense update whose publisher keeps it as its own base (``Manifest.keep_base``: it sends deltas over
+        that transport), so a publisher without deltas (``auto`` over shm, ``false``, a relay) leaves none."""
+        return (self.bases is not None and self._keeps_bases and m.adapter is None
+                and (self.config.sync.delta is True or m.delta is not None or m.keep_base))
+
+    def _forget_base(self) -> None:
+        """A dense update that leaves no base was applied: let the store's version go (its memory back), or,
+        while another update patches the store or an early delta's restore may read it, have it go when that ends."""
+        assert self.bases is not None
+        if self.bases.patching is not None or any(not f.done() for f in self._restoring):
+            self.bases.stale = True
+        else:
+            self.bases.clear(self._pool)
 
     def _landed(self, sock: Any, landed: Landed) -> None:
         """A bucket finished landing in the background: stage it, or drop it when its update is gone."""
@@ -588,7 +605,9 @@ class SyncReceiver:
                         result = ApplyResult.refused(exc)
                     m = session.manifest
                     if result.ok and not result.report.get("noop") and self.bases is not None and self._keeps_bases:
-                        if session.streaming and not session.early:  # the copies taken as the buckets were staged
+                        if m.adapter is None and not self._keeps_base_of(m):  # the store's version is served no more
+                            self._forget_base()
+                        elif session.streaming and not session.early:  # the copies taken as the buckets were staged
                             self.bases.adopt(m, [session.copies[i] for i in sorted(session.copies)], identity, self._pool)
                             session.copied = [seg for seg in session.copied if not self.bases.holds(seg)]
                         else:  # the applied buckets become the next delta's base, without a copy

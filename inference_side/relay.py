@@ -272,7 +272,7 @@ class Relay:
         # one copy per node: the delta base is the kept latest version, which the gate keeps (whatever its
         # engines answered); the receiver only reads it
         self.receiver = SyncReceiver(self.gate, self.config, port=port,
-                                     bases=self.gate.latest if self.config.sync.delta else None)
+                                     bases=self.gate.latest if self.config.sync.delta is not False else None)
         self._closed = False
         try:
             self._endpoint = self.receiver.start()

@@ -58,6 +58,7 @@ def records_of(actor: Any, version: int) -> list[dict[str, Any]]:
 def test_delta_syncs_in_a_row_equal_cold_load(engine: Any, tmp_path: Any) -> None:
     import ray
 
+    from bridge.config import BridgeConfig
     from devtools.tiny_models import build_model, save_checkpoint
     from trainer_side import WeightPublisher
 
@@ -66,7 +67,10 @@ def test_delta_syncs_in_a_row_equal_cold_load(engine: Any, tmp_path: Any) -> Non
     version = ray.get(actor.version.remote())
     deltas = 0
     for transport, count in (("zmq", ZMQ_DELTAS), ("shm", SHM_DELTAS)):
-        with WeightPublisher([engine["endpoint"]], transport=transport) as publisher:
+        # over shm deltas are asked for (the default, auto, sends none there); the engine's receiver (auto)
+        # keeps the versions such a publisher keeps (Manifest.keep_base)
+        config = BridgeConfig().replace(sync={"delta": True}) if transport == "shm" else None
+        with WeightPublisher([engine["endpoint"]], config=config, transport=transport) as publisher:
             for step in range(count + 1):  # a new publisher's first update is dense: it holds no base
                 rl_step(model, seed=version)
                 version += 1
@@ -87,6 +91,14 @@ def test_delta_syncs_in_a_row_equal_cold_load(engine: Any, tmp_path: Any) -> Non
                     deltas += 1
                 read_back_equal(actor, model)
     assert deltas == ZMQ_DELTAS + SHM_DELTAS
+    with WeightPublisher([engine["endpoint"]], transport="shm") as publisher:  # auto over shm: dense, no base kept
+        rl_step(model, seed=version)
+        version += 1
+        report = publisher.publish(model.named_parameters(), version=version)
+        assert report.ok and report.delta == {} and publisher.base_bytes == 0, report
+        (record,) = records_of(actor, version)
+        assert record["ok"] and record["delta_base"] == 0 and record["wire_bytes"] == record["dense_bytes"], record
+        read_back_equal(actor, model)
     assert ray.get(actor.version.remote()) == version
     last = save_checkpoint(model, tmp_path / f"v{version}")
     (cold,) = oracle([last], 1, "bfloat16")

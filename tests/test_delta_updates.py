@@ -40,7 +40,8 @@ def _step(weights: dict[str, Any], seed: int, density: float = 0.01) -> None:
 
 
 def _config(**sync: Any) -> BridgeConfig:
-    return BridgeConfig().replace(transport={"bucket_mb": 0.04}, sync=sync)
+    """Deltas on whatever the transport (``auto``, the default, sends none over shm)."""
+    return BridgeConfig().replace(transport={"bucket_mb": 0.04}, sync={"delta": True, **sync})
 
 
 def _raw(tensor: Any) -> bytes:
@@ -533,6 +534,67 @@ def test_deltas_rebuild_the_trainers_bytes(start_receiver: Any, transport: str, 
             assert {k: bytes(v) for k, v in engine.received[version].items()} == {k: _raw(v) for k, v in weights.items()}
         assert publisher.base_bytes == sum(t.numel() * 2 for t in weights.values())
     assert rx.bases is not None and rx.bases.version == 5 and rx.bases.nbytes == publisher.base_bytes
+
+
+@pytest.mark.parametrize(("publisher", "receiver", "transport", "deltas", "kept"), [
+    ("auto", "auto", "shm", False, (False, False)),  # one host: dense, no base on either side
+    ("auto", "auto", "zmq", True, (True, True)),
+    (True, "auto", "shm", True, (True, True)),  # the publisher keeps its base (Manifest.keep_base): so does the receiver
+    ("auto", True, "shm", False, (False, True)),  # true: every update kept
+    (False, "auto", "zmq", False, (False, False)),
+], ids=["auto-auto-shm", "auto-auto-zmq", "true-auto-shm", "auto-true-shm", "false-auto-zmq"])
+def test_sync_delta_auto_sends_deltas_and_keeps_bases_only_off_shm(start_receiver: Any, publisher: Any, receiver: Any,
+                                                                    transport: str, deltas: bool,
+                                                                    kept: tuple[bool, bool]) -> None:
+    """``sync.delta: auto`` (the default): a publisher sends deltas over every transport but shm and marks the
+    versions it keeps as its base (``Manifest.keep_base``); a receiver keeps those, and every delta, as its base,
+    and nothing of a publisher that sends no deltas. Four versions, every engine's bytes the trainer's."""
+    from trainer_side import WeightPublisher
+
+    def config(delta: Any) -> BridgeConfig:
+        return BridgeConfig().replace(transport={"bucket_mb": 0.04}, sync={"delta": delta})
+
+    engine = FakeEngine(keep="bytes")
+    rx = start_receiver(config(receiver), engine)
+    weights = _weights()
+    with WeightPublisher([rx.endpoint], config=config(publisher), transport=transport) as pub:
+        modes = []
+        for version in range(1, 5):
+            _step(weights, seed=version)
+            report = pub.publish(weights, version=version)
+            assert report.ok and not report.engines[0].dense_fallback, report
+            modes.append(report.delta.get("mode", "dense"))
+            assert {k: bytes(v) for k, v in engine.received[version].items()} == {k: _raw(v) for k, v in weights.items()}
+        assert modes == ["dense", *(["delta"] * 3 if deltas else ["dense"] * 3)], modes
+        dense = sum(t.numel() * 2 for t in weights.values())
+        assert pub.base_bytes == (dense if kept[0] else 0)
+    assert (rx.bases.nbytes if rx.bases is not None else 0) == (dense if kept[1] else 0)
+
+
+def test_with_auto_a_dense_update_that_leaves_no_base_frees_the_receivers_store(start_receiver: Any) -> None:
+    """A receiver (``auto``) keeps a zmq publisher's versions as its base; a version from a publisher that sends
+    no deltas (``auto`` over shm) replaces what the engine serves, so the store lets its version go; the zmq
+    publisher's next version is refused as a delta (no base) and comes dense, and is kept again."""
+    from trainer_side import WeightPublisher
+
+    config = BridgeConfig().replace(transport={"bucket_mb": 0.04})
+    assert config.sync.delta == "auto"
+    rx = start_receiver(config, FakeEngine(keep="bytes"))
+    weights = _weights()
+    dense = sum(t.numel() * 2 for t in weights.values())
+    with WeightPublisher([rx.endpoint], config=config, transport="zmq") as remote:
+        remote.publish(weights, version=1)
+        _step(weights, seed=1)
+        assert remote.publish(weights, version=2).delta["mode"] == "delta"
+        assert rx.bases is not None and rx.bases.nbytes == dense
+        with WeightPublisher([rx.endpoint], config=config, transport="shm") as local:
+            _step(weights, seed=2)
+            assert local.publish(weights, version=3).delta == {}
+        assert rx.bases.nbytes == 0
+        _step(weights, seed=3)
+        report = remote.publish(weights, version=4)
+        assert report.ok and report.engines[0].dense_fallback, report  # no base here: resent dense
+        assert rx.bases.version == 4 and rx.bases.nbytes == dense
 
 
 def test_restarted_receiver_refuses_the_delta_and_gets_it_dense() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -86,6 +87,8 @@ def test_manifest_helpers() -> None:
     assert spec(shape=(2, 3, 4)).numel == 24
     assert spec(shape=()).numel == 1
     assert wire.Manifest.from_wire(m.to_wire()) == m
+    kept = dataclasses.replace(m, keep_base=True)  # absent from the wire unless set
+    assert "keep_base" not in m.to_wire() and wire.Manifest.from_wire(kept.to_wire()) == kept
 
 
 def test_tensor_spec_from_wire_round_trip() -> None:
@@ -169,6 +172,7 @@ REJECT: list[tuple[str, bytes, type[WireError], str]] = [
     ("negative-bucket-size", _with_tensors([T], [-16]), WireError, "bucket size=-16 is out of range"),
     ("bucket-sizes-not-list", _with_tensors([T], [16], bucket_sizes=16), WireError, "bucket_sizes must be a list"),
     ("version-missing", _with_tensors([T], [16], version=None), WireError, "manifest.version must be an integer"),
+    ("keep-base-int", _with_tensors([T], [16], keep_base=1), WireError, "manifest.keep_base must be true or false"),
     ("probe-lengths", _with_tensors([T], [16], probe={"sequences": [[1, 2]], "logprobs": []}), WireError, "equal length"),
     ("probe-per-token", _with_tensors([T], [16], probe={"sequences": [[1, 2]], "logprobs": [[-1.0, -2.0]]}), WireError,
      "one log-probability per token"),

@@ -378,7 +378,7 @@ class RankedPublisher:
         others = self._collect("plan", version, None) if self.world > 1 else {}
         plans = [plan, *(RankPlan.from_wire(msg["plan"]) for msg in others.values())]
         shards = agree(plans, self.world)
-        if self.config.sync.delta or adapter is not None:
+        if self.config.sync.deltas_over(self.transport) or adapter is not None:
             return self._publish_assembled(version, probe, prepare, shards, held, t_start, adapter)
         if prepare is not None:
             prepare()

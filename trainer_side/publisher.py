@@ -25,7 +25,7 @@ __all__ = ["EngineReport", "PublishReport", "WeightPublisher"]
 class WeightPublisher(DeltaSender):
     """Publishes weight versions to one or more inference endpoints (``tcp://host:port``).
 
-    With ``sync.delta`` (the default) it keeps the last version every engine applied (one model of host RAM
+    With ``sync.delta`` (``auto``, the default: over every transport but shm) it keeps the last version every engine applied (one model of host RAM
     in the wire dtype, also while publishing, plus the buckets in flight; ``base_bytes``) and sends each tensor as a patch against it when
     that pays; an engine that does not serve that base gets the version dense (trainer_side/delta_publish.py)."""
 
@@ -45,10 +45,11 @@ class WeightPublisher(DeltaSender):
         dtype = self._agreed_dtype()
         named = list(iter_named(weights))
         plan, tensors = make_plan(named, dtype, self.config.transport.bucket_bytes)
+        deltas = self.config.sync.deltas_over(self.transport) and adapter is None
         manifest = wire.Manifest(version=version, tensors=plan_specs(plan), bucket_sizes=plan.bucket_sizes,
                                  publisher=self.name, transport=self.transport, probe=probe, checksum=self._checksum(),
-                                 adapter=adapter)
-        if self.config.sync.delta and adapter is None:
+                                 adapter=adapter, keep_base=deltas)
+        if deltas:
             return self._publish_delta(manifest, plan, tensors, t_start)
         plane = self._plane()
 
