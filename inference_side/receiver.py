@@ -51,7 +51,8 @@ class SyncReceiver:
         ``status(since)`` answers an operator's ``StatusRequest`` (the engine's status dict and its sync
         records newer than ``since``); without it the answer is built from ``gate.info()``. ``bases``: a
         delta base the gate keeps itself (a relay's latest version); the receiver then only reads it (checks
-        and rebuilds), else it keeps its own from every update its engine applied (``sync.delta``)."""
+        and rebuilds), else it keeps its own from the updates its engine applied (``sync.delta``: every one with
+        ``true``; with ``auto`` every delta and every dense update its publisher keeps as its base, ``_keeps_base_of``)."""
         self.gate = gate
         self.port = port
         self.config = config

@@ -21,7 +21,7 @@ DTensors; plain tensors, which count as held by every rank and are sent by rank 
    the header's checksums being the ranges' (the receiver verifies each range: inference_side/ranges.py);
 5. rank 0 tells every rank the outcome: each returns the same ``PublishReport`` or raises the same error.
 
-With ``sync.delta`` (the default) steps 3 and 4 differ: every rank writes its ranges into rank 0's copy of the
+With deltas on (``sync.delta: true``, or ``auto``, the default, over zmq) steps 3 and 4 differ: every rank writes its ranges into rank 0's copy of the
 model in shared memory (the buckets of ``layout``, one segment each, kept from one version to the next; the
 ranks' transport is then shared memory whatever ``transport.kind`` says, as they share a host) and reports
 their checksums; rank 0 checks each range there (``RankFailed`` naming its rank before any engine hears of the
