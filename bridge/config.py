@@ -104,7 +104,7 @@ class SyncConfig:
     delta_early_load: bool = True
 
     def __post_init__(self) -> None:
-        if self.delta not in (True, False, "auto") or isinstance(self.delta, int) and not isinstance(self.delta, bool):
+        if not (isinstance(self.delta, bool) or self.delta == "auto"):
             raise ConfigError(f"sync.delta: {self.delta!r} is not one of [true, false, 'auto']")
         if self.host_copy and self.mode != "staged":
             # streaming updates do not refresh the copy yet: restoring it would serve stale weights

@@ -599,9 +599,10 @@ def test_with_auto_a_dense_update_that_leaves_no_base_frees_the_receivers_store(
 
 def test_restarted_receiver_refuses_the_delta_and_gets_it_dense() -> None:
     from inference_side.receiver import SyncReceiver
+    from tests.helpers import free_port
     from trainer_side import WeightPublisher
 
-    port = 18311
+    port = free_port()  # the restarted receiver binds it again
     first = SyncReceiver(FakeEngine(keep="bytes"), _config(), port=port)
     endpoint = first.start()
     events: list[tuple[str, dict[str, Any]]] = []
