@@ -133,6 +133,19 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
+def on_this_host(endpoint: str) -> bool:
+    """Whether a publisher reaches ``endpoint`` without leaving this host: ``ipc://`` and ``inproc://``, or
+    ``tcp://`` to a loopback host (``is_loopback``). Anything else counts as another host, this host's own
+    non-loopback addresses included."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp" or not rest:
+        return False
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    return bool(host) and is_loopback(host)
+
+
 @dataclass(frozen=True)
 class ServerCurve:
     """A receiver's CURVE: its key pair and the publishers' public keys it accepts (empty: any peer that

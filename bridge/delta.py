@@ -10,7 +10,8 @@ chooses per tensor the smallest of three encodings (docs/delta.md):
 
 Sparse and xor payloads store their multi-byte streams as byte planes (byte 0 of every element, then
 byte 1, ...), which puts the bytes that rarely change next to each other; each payload is compressed
-with zstd (level 1) when that makes it smaller (``codec`` "zstd", else "none"). A dense payload is the
+with zstd (level 1) when that makes it smaller (``codec`` "zstd", else "none"), unless the caller asks for
+none (``level=None``: a publisher whose engines are all on its host, ``sync.delta_compress``). A dense payload is the
 tensor's bytes as they are, or, compressed, its byte planes. Everything works on bit patterns, never on
 float values, so it is exact at the bit level: NaN payloads, -0.0 and 0.0, subnormals round-trip.
 
@@ -194,17 +195,18 @@ def _unplanes(planes: np.ndarray, width: int, out: np.ndarray) -> None:
         out.reshape(-1, width)[:] = planes.reshape(width, -1).T
 
 
-def _compress(raw: np.ndarray, level: int) -> bytes | None:
-    """``raw`` compressed with zstd, or None when that does not make it smaller."""
+def _compress(raw: np.ndarray, level: int | None) -> bytes | None:
+    """``raw`` compressed with zstd at ``level``, or None when that does not make it smaller or ``level`` is None
+    (not compressed)."""
+    if raw.nbytes == 0 or level is None:
+        return None
     import zstandard
 
-    if raw.nbytes == 0:
-        return None
     packed = zstandard.ZstdCompressor(level=level).compress(raw.data)
     return packed if len(packed) < raw.nbytes else None
 
 
-def _candidate(encoding: Encoding, raw: np.ndarray, level: int) -> tuple[Encoding, Codec, bytes | None]:
+def _candidate(encoding: Encoding, raw: np.ndarray, level: int | None) -> tuple[Encoding, Codec, bytes | None]:
     packed = _compress(raw, level)
     return (encoding, "none", raw.tobytes()) if packed is None else (encoding, "zstd", packed)
 
@@ -237,10 +239,11 @@ def _decompress(spec: DeltaSpec, payload: bytes | memoryview) -> np.ndarray:
 
 
 def encode(base: torch.Tensor, new: torch.Tensor, *, name: str, base_version: int, checksum: str = checksums.DEFAULT,
-           encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL, base_checksum: int | None = None) -> DeltaTensor:
+           encodings: Sequence[Encoding] = ENCODINGS, level: int | None = ZSTD_LEVEL, base_checksum: int | None = None) -> DeltaTensor:
     """The delta turning ``base`` into ``new`` (same shape and dtype, CPU), in the smallest encoding tried.
 
-    ``encodings`` restricts the candidates (at least one). Two are tried: a patch, sparse when at most
+    ``encodings`` restricts the candidates (at least one); ``level`` is zstd's, None for payloads left
+    uncompressed (codec "none"). Two are tried: a patch, sparse when at most
     ``SPARSE_MAX_CHANGED`` of the elements changed and xor otherwise (the other one when only it is
     allowed), and dense, compressed only when the patch is not below ``DENSE_TRY_ABOVE`` of the dense
     size; the fewer payload bytes win (ties: the patch). ``base_checksum`` may pass the base's checksum when the caller
@@ -259,7 +262,7 @@ def encode(base: torch.Tensor, new: torch.Tensor, *, name: str, base_version: in
 
 
 def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, shape: tuple[int, ...], base_version: int,
-                 checksum: str = checksums.DEFAULT, encodings: Sequence[Encoding] = ENCODINGS, level: int = ZSTD_LEVEL,
+                 checksum: str = checksums.DEFAULT, encodings: Sequence[Encoding] = ENCODINGS, level: int | None = ZSTD_LEVEL,
                  base_checksum: int | None = None, result_checksum: int | None = None,
                  positions: np.ndarray | None = None, values: np.ndarray | None = None) -> DeltaTensor:
     """``encode`` on the raw little-endian bytes (flat uint8 arrays) of a ``dtype`` tensor of ``shape``;
@@ -304,7 +307,8 @@ def encode_bytes(base: np.ndarray, new: np.ndarray, *, name: str, dtype: str, sh
         candidates.append(_candidate("xor", _planes(diff, width), level))
     if "dense" in encodings:
         best = min((_size(c[2], numel * width) for c in candidates), default=numel * width)
-        packed = _compress(_planes(new_bits, width), level) if best >= DENSE_TRY_ABOVE * numel * width else None
+        packed = (_compress(_planes(new_bits, width), level)
+                  if level is not None and best >= DENSE_TRY_ABOVE * numel * width else None)
         candidates.append(("dense", "none", None) if packed is None else ("dense", "zstd", packed))
     encoding, codec, chosen = min(candidates, key=lambda c: _size(c[2], numel * width))
     payload = new.tobytes() if chosen is None else chosen

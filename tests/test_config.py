@@ -101,7 +101,18 @@ BAD: list[tuple[str, Any, str]] = [
     ("core-spin-negative", {"serve": {"engine_core_spin_s": -1}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got -1"),
     ("core-spin-word", {"serve": {"engine_core_spin_s": "fast"}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got 'fast'"),
     ("core-spin-inf", {"serve": {"engine_core_spin_s": float("inf")}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got inf"),
+    ("delta-compress-word", {"sync": {"delta_compress": "zstd"}}, "sync.delta_compress"),
 ]
+
+
+@pytest.mark.parametrize(("setting", "all_on_this_host", "compresses"), [
+    ("auto", True, False), ("auto", False, True), (True, True, True), (True, False, True), (False, True, False),
+    (False, False, False),
+])
+def test_sync_delta_compress_compresses_unless_every_engine_is_on_this_host(setting: Any, all_on_this_host: bool,
+                                                                           compresses: bool) -> None:
+    cfg = config_from_dict({"sync": {"delta_compress": setting}})
+    assert cfg.sync.compresses_patches(all_on_this_host) is compresses
 
 
 @pytest.mark.parametrize(("data", "phrase"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from bridge.config import TransportConfig, config_from_dict
-from bridge.curve import is_loopback, load_key, server_curve, write_keypair
+from bridge.curve import is_loopback, load_key, on_this_host, server_curve, write_keypair
 from bridge.errors import BridgeError, ConfigError, TransportError
 from tests import recording_receiver as recording
 from tests.fakes import FakeEngine
@@ -300,3 +300,16 @@ def test_relay_on_the_node_address_takes_only_accepted_publishers(node: str, key
             raise
         (seen,) = recording.stop(engines)
     assert seen == {"validated": [3], "applied": [3]}, seen
+
+
+@pytest.mark.parametrize(("endpoint", "local"), [
+    ("tcp://127.0.0.1:5555", True), ("tcp://127.0.0.2:5555", True), ("tcp://localhost:5555", True),
+    ("tcp://[::1]:5555", True), ("ipc:///tmp/wb/receiver.sock", True), ("inproc://wb", True),
+    ("tcp://10.0.0.5:5555", False), ("tcp://0.0.0.0:5555", False), ("tcp://[2001:db8::1]:5555", False),
+    ("udp://127.0.0.1:5555", False), ("tcp://", False),
+])
+def test_on_this_host_knows_loopback_and_ipc_endpoints(endpoint: str, local: bool) -> None:
+    """The endpoints a publisher reaches without leaving its host (``sync.delta_compress: auto`` leaves patches
+    uncompressed when every engine is one): ipc, inproc and tcp to a loopback address; any other address is
+    another host's."""
+    assert on_this_host(endpoint) is local

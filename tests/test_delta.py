@@ -102,6 +102,20 @@ def test_each_encoding_roundtrips(encoding: delta.Encoding, density: float, dtyp
     assert d.spec.encoding == encoding
 
 
+@pytest.mark.parametrize("encoding", delta.ENCODINGS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_level_none_leaves_every_encoding_uncompressed_and_exact(encoding: delta.Encoding, dtype: torch.dtype) -> None:
+    """``level=None`` (a publisher whose engines are all on its host): no payload is compressed, each is exactly
+    its encoding's raw bytes, and the result is the new tensor bit for bit; with zstd the same patch is smaller."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.zeros(4096, dtype=dtype)  # compresses well: zstd must win where it is allowed
+    new = rl_step(base, 0.01, gen)
+    plain = roundtrip(base, new, encodings=(encoding,), level=None)
+    packed = roundtrip(base, new, encodings=(encoding,))
+    assert plain.spec.codec == "none" and plain.spec.nbytes == plain.spec.raw_nbytes
+    assert packed.spec.codec == "zstd" and packed.spec.nbytes < plain.spec.nbytes
+
+
 @pytest.mark.parametrize("checksum", checksums.KNOWN)
 def test_checksum_algorithms(checksum: str) -> None:
     gen = torch.Generator().manual_seed(1)

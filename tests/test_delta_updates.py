@@ -536,6 +536,32 @@ def test_deltas_rebuild_the_trainers_bytes(start_receiver: Any, transport: str, 
     assert rx.bases is not None and rx.bases.version == 5 and rx.bases.nbytes == publisher.base_bytes
 
 
+def test_patches_to_engines_on_this_host_go_uncompressed_unless_asked(start_receiver: Any) -> None:
+    """``sync.delta_compress: auto`` (the default): a publisher whose engines are all on its host (here a loopback
+    ``tcp://`` receiver) sends its patches uncompressed (codec ``none``, 6 bytes per changed bf16 element); ``true``
+    compresses them with zstd, fewer bytes on the wire. The engine's bytes are the trainer's either way."""
+    from trainer_side import WeightPublisher
+
+    sent: dict[Any, list[Any]] = {}
+    for setting in ("auto", True):
+        engine = FakeEngine(keep="bytes")
+        rx = start_receiver(_config(), engine)
+        assert rx.endpoint.startswith("tcp://127.0.0.1:"), rx.endpoint
+        weights = _weights()
+        with WeightPublisher([rx.endpoint], config=_config(delta_compress=setting)) as publisher:
+            for version in range(1, 4):
+                _step(weights, seed=version)
+                report = publisher.publish(weights, version=version)
+                assert {k: bytes(v) for k, v in engine.received[version].items()} == {k: _raw(v) for k, v in weights.items()}
+                if version > 1:
+                    assert report.delta["mode"] == "delta", report.delta
+                    sent.setdefault(setting, []).append((report.delta["compressed"], report.delta["wire_bytes"]))
+    changed = sum(max(1, int(0.01 * t.numel())) for t in _weights().values() if t.numel() > 256)  # _step's flips
+    assert [c for c, _ in sent["auto"]] == [False, False] and [c for c, _ in sent[True]] == [True, True], sent
+    assert all(w >= changed * 6 for _, w in sent["auto"]), (sent, changed)
+    assert all(packed < plain for (_, packed), (_, plain) in zip(sent[True], sent["auto"], strict=True)), sent
+
+
 @pytest.mark.parametrize(("publisher", "receiver", "transport", "deltas", "kept"), [
     ("auto", "auto", "shm", False, (False, False)),  # one host: dense, no base on either side
     ("auto", "auto", "zmq", True, (True, True)),

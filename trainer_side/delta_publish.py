@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 from bridge import checksums, wire
 from bridge.config import BridgeConfig
+from bridge.curve import on_this_host
 from bridge.delta import (
+    ZSTD_LEVEL,
     BucketDelta,
     DeltaEntry,
     DeltaManifest,
@@ -186,12 +188,13 @@ def _raw(tensor: Any, dtype: str) -> np.ndarray | None:
 
 def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: int, buffers: Buffers,
                     max_ratio: float = DELTA_MAX_RATIO, max_changed: float = DELTA_MAX_CHANGED,
-                    encode: bool = True) -> tuple[tuple[BucketDelta, list[tuple[int, Any]], tuple[int, ...]] | None, tuple[int, ...]]:
+                    encode: bool = True, level: int | None = ZSTD_LEVEL) -> tuple[tuple[BucketDelta, list[tuple[int, Any]], tuple[int, ...]] | None, tuple[int, ...]]:
     """Full bucket ``index`` of the trainer's ``tensors`` (layout ``plan``, that of ``base``) encoded against
     ``base``'s bucket, which is **patched in place** into the new version's bytes: the changed elements written
     during the compare itself. Returns (its table, its payloads (offset, bytes)
     and their checksums; None when it goes whole: more than ``max_changed`` of its elements changed, the
-    patches above ``max_ratio`` of its bytes, or ``encode`` false) and the new tensors' checksums.
+    patches above ``max_ratio`` of its bytes, or ``encode`` false) and the new tensors' checksums. Patches are
+    compressed with zstd at ``level`` where that makes them smaller; None leaves them uncompressed.
 
     One read of the base and of the trainer's tensors (``changed_positions``: the compare and the new checksum
     in one pass) where the tensors are CPU, contiguous and in the wire dtype; others are
@@ -239,7 +242,7 @@ def encode_in_place(base: Snapshot, plan: PackPlan, tensors: list[Any], index: i
                                                                             strict=True):
             d = encode_bytes(old, new, name=spec.name, dtype=spec.dtype, shape=spec.shape, base_version=manifest.version,
                              checksum=algorithm, base_checksum=base_sum, result_checksum=new_sum, positions=positions,
-                             values=values)
+                             values=values, level=level)
             data: Any
             if d.spec.nbytes < spec.nbytes:
                 entry, data, data_sum = DeltaEntry(offset, d.spec.nbytes, new_sum, d.spec), d.payload, fn(d.payload)
@@ -301,11 +304,14 @@ class DeltaSender(UpdateSender):
         assert base is not None
         tables: list[BucketDelta | None] = [None] * len(manifest.bucket_sizes)
         timing = {"encode": 0.0}
+        # patches compressed unless every engine is on this host (sync.delta_compress)
+        compress = self.config.sync.compresses_patches(all(on_this_host(p.endpoint) for p in self._peers))
+        level = ZSTD_LEVEL if compress else None
         buffers = Buffers()  # scratch for buckets that need packing before the compare (a cast, a GPU tensor)
 
         def produce(index: int, size: int) -> tuple[OutgoingBucket, tuple[int, ...]]:
             t_enc = time.perf_counter()
-            encoded, sums = encode_in_place(base, plan, tensors, index, buffers, encode=self._active())
+            encoded, sums = encode_in_place(base, plan, tensors, index, buffers, encode=self._active(), level=level)
             timing["encode"] += time.perf_counter() - t_enc
             new.buffers[index], new.sums[index] = base.buffers[index], sums  # patched: the new version's bytes
             base.buffers[index] = None
@@ -332,7 +338,7 @@ class DeltaSender(UpdateSender):
             resent = {e.endpoint: replace(e, dense_fallback=refused[e.endpoint]) for e in again.engines}
             report = replace(report, engines=tuple(resent.get(e.endpoint, e) for e in report.engines))
             wire_bytes += dense * len(refused)
-        telemetry = {**telemetry, "mode": "delta", "base_version": base.manifest.version,
+        telemetry = {**telemetry, "mode": "delta", "base_version": base.manifest.version, "compressed": compress,
                      "ratio": round(telemetry["wire_bytes"] / dense, 6) if dense else 1.0,
                      "tensors": len(manifest.tensors), "dense_buckets": sum(1 for t in tables if t is None),
                      "dense_fallback": refused, "wire_bytes_all_engines": wire_bytes}
