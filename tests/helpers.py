@@ -117,7 +117,7 @@ def plan_manifest(plan: Any, version: int = 1, **fields: Any) -> wire.Manifest:
 
 # ---- engines: the oracle, trainers in their own process ------------------------------------------------
 
-_ORACLE_CACHE: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+_ORACLE_CACHE: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
 _COLD_LOADERS: dict[int, Any] = {}
 
 
@@ -136,12 +136,29 @@ def cold_loader(tp: int) -> Any:
 
 
 def oracle(models: list[Path], tp: int, dtype: str, prompts: list[list[int]] = PROMPTS) -> list[list[dict[str, Any]]]:
-    """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (the session's cold-load process)."""
-    todo = [str(m) for m in models if (str(m), tp, dtype) not in _ORACLE_CACHE]
+    """Greedy outputs of plain vLLM engines cold-loaded from each checkpoint (the session's cold-load process).
+    Kept per checkpoint content (and TP size, dtype, prompts): a checkpoint whose files equal one cold-loaded
+    before, wherever it was saved, is answered from that load."""
+    keys = [(_checkpoint_key(Path(m)), tp, dtype, json.dumps(prompts)) for m in models]
+    todo = {key: str(m) for m, key in zip(models, keys, strict=True) if key not in _ORACLE_CACHE}
     if todo:
-        for model, outs in cold_loader(tp).outputs(todo, dtype, prompts).items():
-            _ORACLE_CACHE[(model, tp, dtype)] = outs
-    return [_ORACLE_CACHE[(str(m), tp, dtype)] for m in models]
+        outs = cold_loader(tp).outputs(list(todo.values()), dtype, prompts)
+        for key, model in todo.items():
+            _ORACLE_CACHE[key] = outs[model]
+    return [_ORACLE_CACHE[key] for key in keys]
+
+
+def _checkpoint_key(model: Path) -> str:
+    """A checkpoint directory's content: every file's relative name and bytes (xxh3-128)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    for path in sorted(p for p in model.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(model)).encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 

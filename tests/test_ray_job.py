@@ -136,6 +136,9 @@ def job(head: Any) -> Any:
             except OSError:
                 pass  # the dashboard is still starting
             if page is None and views and _all_served(views[-1]):
+                # the job's last sync landed and it lingers: the LoRA job (its engine on the head) starts meanwhile
+                if "lora" not in _EARLY:
+                    _EARLY["lora"] = _submit_lora(head)
                 page, rendered_live = _render_dashboard(url), True  # while the job lingers: engines still up
             time.sleep(1.0)
             status = _job_status(head, submission_id)
@@ -248,16 +251,26 @@ def _lora_bytes(rank: int) -> tuple[int, int]:
     return 2 * adapter, 2 * full
 
 
-@pytest.fixture(scope="module")
-def lora_job(head: Any) -> Any:
-    """The GRPO job with ``--lora 8`` on one engine (the default config: ZMQ to the node's relay), run to its end."""
+_EARLY: dict[str, str] = {}  # the LoRA job's submission id, when the GRPO job's fixture submitted it early
+
+
+def _submit_lora(head: dict[str, Any]) -> str:
+    """Submit the GRPO job with ``--lora`` (not waiting for it); its submission id."""
     submission_id = f"wb-grpo-lora-{uuid.uuid4().hex[:8]}"
     entry = ["python", "-m", "apps.ray_job", "--loop", "grpo", "--lora", str(LORA_RANK), "--steps", str(LORA_STEPS),
              "--actor-name", LORA_ACTOR]
-    address = head["dashboard"]
-    submit = _ray(head, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--submission-id", submission_id,
-                  "--no-wait", "--", *entry, timeout=300)
+    submit = _ray(head, "job", "submit", "--address", head["dashboard"], "--working-dir", str(ROOT), "--submission-id",
+                  submission_id, "--no-wait", "--", *entry, timeout=300)
     assert submit.returncode == 0, f"ray job submit failed:\n{submit.stdout[-2000:]}\n{submit.stderr[-3000:]}"
+    return submission_id
+
+
+@pytest.fixture(scope="module")
+def lora_job(head: Any) -> Any:
+    """The GRPO job with ``--lora 8`` on one engine (the default config: ZMQ to the node's relay), run to its end
+    (submitted while the GRPO job lingered, when that one ran first)."""
+    submission_id = _EARLY.pop("lora", None) or _submit_lora(head)
+    address = head["dashboard"]
     deadline = time.monotonic() + JOB_TIMEOUT_S
     status = _job_status(head, submission_id)
     while status not in TERMINAL and time.monotonic() < deadline:
