@@ -105,7 +105,7 @@ class SyncConfig:
     # a publisher compresses its patches with zstd (level 1): true, false, or auto (the default): unless every
     # engine it sends to is on this host (tcp to a loopback address, ipc), where the wire moves bytes at memory
     # speed and compressing and decompressing cost more CPU than the smaller payload saves (2.3% of dense bytes
-    # uncompressed against 0.7% at 1% of the elements changed; docs/delta.md, "Compression")
+    # uncompressed against 0.7% at 1% of the elements changed; docs/delta.md, "Encodings")
     delta_compress: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
