@@ -142,7 +142,7 @@ def on_this_host(endpoint: str) -> bool:
         return True
     if scheme != "tcp" or not rest:
         return False
-    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    host = rest.rsplit(":", 1)[0]  # tcp://HOST:PORT, an IPv6 host in brackets
     return bool(host) and is_loopback(host)
 
 

@@ -268,6 +268,8 @@ class DeltaSender(UpdateSender):
     def __init__(self, endpoints: list[str] | str, config: BridgeConfig | str | None = None, **kwargs: Any) -> None:
         super().__init__(endpoints, config, **kwargs)
         self.bases: Snapshot | None = None  # the last version every engine applied (sync.delta: true)
+        # whether each engine is reached on this host (sync.delta_compress), resolved once, not per publish
+        self._on_this_host = {p.endpoint: on_this_host(p.endpoint) for p in self._peers}
 
     @property
     def base_bytes(self) -> int:
@@ -305,7 +307,7 @@ class DeltaSender(UpdateSender):
         tables: list[BucketDelta | None] = [None] * len(manifest.bucket_sizes)
         timing = {"encode": 0.0}
         # patches compressed unless every engine is on this host (sync.delta_compress)
-        compress = self.config.sync.compresses_patches(all(on_this_host(p.endpoint) for p in self._peers))
+        compress = self.config.sync.compresses_patches(all(self._on_this_host[p.endpoint] for p in self._peers))
         level = ZSTD_LEVEL if compress else None
         buffers = Buffers()  # scratch for buckets that need packing before the compare (a cast, a GPU tensor)
 
