@@ -7,13 +7,14 @@ load), so on CPU the reloaded experts are copied back in checkpoint layout inste
 layout the kernel reads. ``refresh_kernel_format`` runs that step on the freshly loaded layer before
 it is copied into the kernel tensors.
 
-Two savings, during the bridge's own updates only (vLLM's own ``reload_weights`` is left as it is):
+Three savings, during the bridge's own updates only (vLLM's own ``reload_weights`` is left as it is):
 ``SCRATCH.materialize_layer`` materializes each reloaded tensor as a view of the tensor the engine serves
 (``serve.reload_in_place``), so the loaders write into it and vLLM's copy back is a copy onto itself; and
 where a tensor cannot be a view (or in place is off), ``SCRATCH`` keeps the large CPU tensors the reload
 materializes (an embedding, an LM head) from one update to the next, so each update writes into memory
 already mapped instead of faulting in a fresh mmap page by page (65 MB: 16,000 page faults, 40-90 ms against
-8 ms for the copy itself on the 2-core test VM)."""
+8 ms for the copy itself on the 2-core test VM); and ``EMBEDDING_GEMM`` builds no CPU matmul handle for an input
+embedding that no LM head is (``lookup_only_embeddings``)."""
 
 from __future__ import annotations
 
@@ -161,10 +162,64 @@ class ScratchPool:
         original(layer, info)
 
 
+def _class_names(obj: Any) -> set[str]:
+    return {klass.__name__ for klass in type(obj).__mro__}
+
+
+def lookup_only_embeddings(model: Any) -> set[int]:
+    """The ids of ``model``'s input embeddings that serve only as lookup tables: no LM head is one of them.
+
+    vLLM's CPU backend builds a oneDNN matmul handle (a repacked copy of the weight) for every
+    ``VocabParallelEmbedding`` after it loads, the input embedding's included, since a tied LM head is that same
+    module; an input embedding only looks rows up (``F.embedding`` on its weight), so for it the handle is pure
+    cost: 0.066 s per update and a 65 MB copy at 350m on the 2-core test VM. An embedding counts as lookup-only
+    when the model has an LM head of its own (a ``ParallelLMHead`` that is a distinct module), the embedding is
+    not a ``ParallelLMHead`` itself, and it is reachable under one name only (not tied by reference). A model
+    with no ``ParallelLMHead`` (gemma2, commandr: they compute logits from the input embedding) gets none.
+    Pure: reads the module tree, changes nothing."""
+    modules = list(model.named_modules(remove_duplicate=False))
+    heads = {id(m) for _, m in modules if "ParallelLMHead" in _class_names(m)}
+    if not heads:
+        return set()
+    names: dict[int, int] = {}
+    for _, module in modules:
+        names[id(module)] = names.get(id(module), 0) + 1
+    return {id(m) for _, m in modules
+            if "VocabParallelEmbedding" in _class_names(m) and id(m) not in heads and names[id(m)] == 1}
+
+
+class EmbeddingGemm:
+    """During the bridge's updates (``active``), the input embeddings in ``lookup_only`` get no CPU matmul handle
+    after loading: their ``cpu_linear`` becomes ``torch.nn.functional.linear`` on the current weight (what
+    vLLM itself sets for a layer without a handle), so nothing stale can be read through it, and the cold load's
+    handle (a packed copy of the old weight) is let go. ``skipped`` counts the handles the last update did not
+    build. vLLM's own ``reload_weights`` is left as it is."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.lookup_only: set[int] = set()
+        self.skipped = 0
+
+    def start(self, model: Any) -> None:
+        self.lookup_only = lookup_only_embeddings(model)
+        self.skipped = 0
+        self.active = True
+
+    def process(self, original: Any, method: Any, layer: Any) -> None:
+        if self.active and id(layer) in self.lookup_only:
+            import torch
+
+            layer.cpu_linear = torch.nn.functional.linear
+            self.skipped += 1
+            return
+        original(method, layer)
+
+
 _LOCK = threading.Lock()
 _INSTALLED = False
 RECORDER = LoadRecorder()
 SCRATCH = ScratchPool()
+EMBEDDING_GEMM = EmbeddingGemm()
 
 
 def install() -> None:
@@ -201,6 +256,14 @@ def install() -> None:
         def materialize_layer(layer: Any, info: Any) -> None:
             SCRATCH.materialize_layer(original_materialize_layer, layer, info)
 
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        original_embedding_step = UnquantizedEmbeddingMethod.process_weights_after_loading
+
+        def embedding_after_loading(method: Any, layer: Any) -> None:
+            EMBEDDING_GEMM.process(original_embedding_step, method, layer)
+
+        UnquantizedEmbeddingMethod.process_weights_after_loading = embedding_after_loading  # type: ignore[method-assign,assignment]
         layerwise.materialize_layer = materialize_layer
         layerwise.get_numel_loaded = get_numel_loaded
         layerwise._copy_and_restore_kernel_tensors = copy_and_restore

@@ -94,6 +94,7 @@ class ReloadSession:
         rec.reset()
         rec.active = True
         reload_hooks.SCRATCH.start(self.in_place)
+        reload_hooks.EMBEDDING_GEMM.start(self.model)
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
         self._begun = True
@@ -216,6 +217,7 @@ class ReloadSession:
             self._finalized = True
             reload_hooks.RECORDER.active = False
             reload_hooks.SCRATCH.active = False
+            reload_hooks.EMBEDDING_GEMM.active = False
             self.timings["finalize"] += time.perf_counter() - t0
             t1 = time.perf_counter()
             refreshed = refresh_backend_aliases(self.model, self.state.sinks)
@@ -245,6 +247,7 @@ class ReloadSession:
 
         reload_hooks.RECORDER.active = False
         reload_hooks.SCRATCH.active = False
+        reload_hooks.EMBEDDING_GEMM.active = False
         reload_hooks.SCRATCH.drop()
         if self._begun and not self._finalized:
             import torch
