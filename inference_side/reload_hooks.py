@@ -189,8 +189,8 @@ def lookup_only_embeddings(model: Any) -> set[int]:
 
 
 class EmbeddingGemm:
-    """During the bridge's updates (``active``), the input embeddings in ``lookup_only`` get no CPU matmul handle
-    after loading: their ``cpu_linear`` becomes ``torch.nn.functional.linear`` on the current weight (what
+    """During the bridge's updates (``active``), the input embeddings in ``lookup_only`` whose weight is on CPU get
+    no CPU matmul handle after loading: their ``cpu_linear`` becomes ``torch.nn.functional.linear`` on the current weight (what
     vLLM itself sets for a layer without a handle), so nothing stale can be read through it, and the cold load's
     handle (a packed copy of the old weight) is let go. ``skipped`` counts the handles the last update did not
     build. vLLM's own ``reload_weights`` is left as it is."""
@@ -206,7 +206,9 @@ class EmbeddingGemm:
         self.active = True
 
     def process(self, original: Any, method: Any, layer: Any) -> None:
-        if self.active and id(layer) in self.lookup_only:
+        """vLLM's ``process_weights_after_loading`` of an unquantized embedding (``original``), but for a
+        lookup-only embedding on CPU during the bridge's updates (elsewhere vLLM builds no handle either)."""
+        if self.active and id(layer) in self.lookup_only and layer.weight.device.type == "cpu":
             import torch
 
             layer.cpu_linear = torch.nn.functional.linear

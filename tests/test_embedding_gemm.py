@@ -119,3 +119,6 @@ def test_during_an_update_a_lookup_only_embedding_gets_plain_linear_and_the_rest
     assert calls == [embed, head, embed] and embed.cpu_linear == "a new handle"
     gemm.start(model)  # the next update counts from zero
     assert gemm.skipped == 0
+    embed.weight = torch.nn.Parameter(torch.zeros(8, 4, device="meta"), requires_grad=False)  # not on CPU (a GPU)
+    gemm.process(vllms_step, None, embed)  # vLLM's step, which builds no handle off CPU
+    assert calls == [embed, head, embed, embed] and gemm.skipped == 0
