@@ -19,6 +19,7 @@ embedding that no LM head is (``lookup_only_embeddings``)."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,9 +182,7 @@ def lookup_only_embeddings(model: Any) -> set[int]:
     heads = {id(m) for _, m in modules if "ParallelLMHead" in _class_names(m)}
     if not heads:
         return set()
-    names: dict[int, int] = {}
-    for _, module in modules:
-        names[id(module)] = names.get(id(module), 0) + 1
+    names = Counter(id(m) for _, m in modules)
     return {id(m) for _, m in modules
             if "VocabParallelEmbedding" in _class_names(m) and id(m) not in heads and names[id(m)] == 1}
 
