@@ -130,6 +130,13 @@ class RecordingGate(EngineGate):
         finally:
             self._load_s += time.perf_counter() - t0
 
+    def load_many(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> LoadResult:
+        t0 = time.perf_counter()
+        try:
+            return self.gate.load_many(manifest, buckets)
+        finally:
+            self._load_s += time.perf_counter() - t0
+
     def finish(self, manifest: wire.Manifest, timings: dict[str, float]) -> ApplyResult:
         t0 = time.perf_counter()
         result = self.gate.finish(manifest, timings)

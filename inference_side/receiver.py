@@ -26,16 +26,16 @@ from bridge.config import BridgeConfig
 from bridge.curve import ServerCurve, release_server, secure_server, server_curve
 from bridge.errors import BridgeError, WireError, WrongBase
 from bridge.host_verdicts import verdict_key, verify_once
-from bridge.report import ApplyResult, FailureKind, describe, kind_of
+from bridge.report import ApplyResult, FailureKind, LoadResult, describe, kind_of
 from bridge.served import ServedContent, bucket_sums, served_scope
 from bridge.shm import Segment, SegmentPool, sweep_orphans
 from bridge.transports import land_plane
 from bridge.transports.base import Landed, LandPlane
 from bridge.vllm_shm import sweep_vllm_segments
-from inference_side.contract import EngineGate, StagedBucket
+from inference_side.contract import LOAD_RUN_MAX, EngineGate, StagedBucket
 from inference_side.delta_base import BaseStore, rebuild
 from inference_side.ranges import verify_ranges
-from inference_side.session import Session, remember
+from inference_side.session import LoadRun, Session, remember
 from inference_side.verify import verify_bucket
 
 logger = logging.getLogger(__name__)
@@ -139,10 +139,22 @@ class SyncReceiver:
     def _apply_staged(self, manifest: wire.Manifest, buckets: list[StagedBucket], timings: dict[str, float]) -> ApplyResult:
         """Staged: every bucket arrived and was verified; now the same calls a streaming update makes."""
         self.gate.begin(manifest)
-        for bucket in buckets:
-            if self.gate.load(manifest, bucket).error:
+        for i in range(0, len(buckets), LOAD_RUN_MAX):
+            if self.gate.load_many(manifest, buckets[i:i + LOAD_RUN_MAX]).error:
                 break  # finish reports the failure
         return self.gate.finish(manifest, timings)
+
+    def _load(self, session: Session, bucket: StagedBucket) -> None:
+        """Streaming, or a delta loaded early: ``bucket`` is verified; it joins the run of buckets the apply
+        thread has not started yet, or opens the next run."""
+        if session.loads and session.loads[-1][0].join(bucket, LOAD_RUN_MAX):
+            return
+        run = LoadRun([bucket])
+        session.loads.append((run, self._executor.submit(self._load_run, session.manifest, run)))
+
+    def _load_run(self, manifest: wire.Manifest, run: LoadRun) -> LoadResult:
+        """On the apply thread: every bucket of ``run``, in one ``load_many``."""
+        return self.gate.load_many(manifest, run.start())
 
     def _loads_early(self, session: Session) -> bool:
         """A delta this receiver patches in place in its base store goes to the engine bucket by bucket as each is
@@ -159,7 +171,7 @@ class SyncReceiver:
         load, refuse the update (a delta loaded early: its buckets stay staged, their credits went back when
         they were). True when the session was ended."""
         while session.loads and session.loads[0][1].done():
-            index, fut = session.loads.pop(0)
+            run, fut = session.loads.pop(0)
             try:
                 result = fut.result()
             except BaseException as exc:  # noqa: BLE001 - report whatever broke the load
@@ -169,19 +181,20 @@ class SyncReceiver:
             if result.error:
                 self._fail(sock, session.identity, session.manifest.version, result.kind or FailureKind.OTHER, result.error)
                 return True
-            if session.early:  # the base store's bucket (or a receive segment it adopts once applied)
-                session.loaded.add(index)
+            indices = [b.index for b in run.buckets]
+            session.loaded.update(indices)
+            if session.early:  # the base store's buckets (or receive segments it adopts once applied)
                 continue
-            bucket = session.buckets.pop(index, None)
-            if bucket is not None:
-                if bucket.segment.owner:
-                    session.lent.append(bucket.segment)
-                else:  # the publisher's segment: released to it once no worker holds it
-                    session.unreleased[index] = bucket.segment.name
-                    bucket.segment.close()
-            session.loaded.add(index)
+            for index in indices:
+                bucket = session.buckets.pop(index, None)
+                if bucket is not None:
+                    if bucket.segment.owner:
+                        session.lent.append(bucket.segment)
+                    else:  # the publisher's segment: released to it once no worker holds it
+                        session.unreleased[index] = bucket.segment.name
+                        bucket.segment.close()
             if session.pending is None:
-                self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=1,
+                self._send(sock, session.identity, wire.Credit(version=session.manifest.version, n=len(indices),
                                                                released=session.released()))
         return False
 
@@ -512,7 +525,7 @@ class SyncReceiver:
             if not self.bases.holds(copied.segment):
                 session.copied.append(copied.segment)
         if session.streaming or session.early:
-            session.loads.append((index, self._executor.submit(self.gate.load, m, session.buckets[index])))
+            self._load(session, session.buckets[index])
             if session.streaming and not session.early:
                 return
         self._send(sock, session.identity, wire.Credit(version=m.version, n=1))

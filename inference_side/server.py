@@ -344,23 +344,28 @@ class InferenceServer(EngineGate):
             self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self.config.worker_options()))
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
+        return self.load_many(manifest, [bucket])
+
+    def load_many(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> LoadResult:
+        """The buckets in one ``wb_load`` on every TP worker (one RPC for the run, not one per bucket)."""
         with self._engine:
             update = self._update
             if not self._open_for(update, manifest):
-                return LoadResult(f"bucket {bucket.index} of version {manifest.version} arrived outside its update",
-                                  FailureKind.WIRE)
+                return LoadResult(f"bucket {', '.join(str(b.index) for b in buckets)} of version {manifest.version} "
+                                  "arrived outside its update", FailureKind.WIRE)
             if update.adapter is not None:  # held here until finish: the served adapter is untouched till then
                 if update.failure is None:
-                    update.adapter.update(bucket_tensors(bucket.segment.buffer, bucket.specs))
+                    for bucket in buckets:
+                        update.adapter.update(bucket_tensors(bucket.segment.buffer, bucket.specs))
                 return LoadResult(update.failure[1], update.failure[0]) if update.failure else LoadResult()
-            if update.failure is None:
+            if update.failure is None and buckets:
                 t0 = time.perf_counter()
                 update.loaded = True
-                reports = self._rpc("wb_load", bucket.payload())
+                reports = self._rpc("wb_load", *(bucket.payload() for bucket in buckets))
                 update.load_s += time.perf_counter() - t0
                 self._ranks(update, reports)
                 if self._host_copy is not None:
-                    update.buckets.append(bucket)
+                    update.buckets.extend(buckets)
                 held = frozenset(name for r in reports for name in r.held)
             else:
                 held = frozenset()

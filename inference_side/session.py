@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -13,6 +14,31 @@ from bridge.shm import Segment, SegmentPool
 from inference_side.contract import StagedBucket
 
 REFUSED_KEEP = 1024  # publishers remembered (the most recent): a refused update's late buckets, a checked no-op
+
+
+@dataclass
+class LoadRun:
+    """Verified buckets waiting for one ``EngineGate.load_many`` on the apply thread. The receiver's loop adds
+    the buckets that become ready while the run has not started (``join``); the apply thread takes them all
+    when it starts it (``start``), so a bucket that arrives later opens the next run."""
+
+    buckets: list[StagedBucket]
+    started: bool = False
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    def join(self, bucket: StagedBucket, most: int) -> bool:
+        """Add ``bucket`` unless the run started or holds ``most`` already; whether it was added."""
+        with self._lock:
+            if self.started or len(self.buckets) >= most:
+                return False
+            self.buckets.append(bucket)
+            return True
+
+    def start(self) -> list[StagedBucket]:
+        """The apply thread begins the run: no bucket joins it any more; its buckets, in order."""
+        with self._lock:
+            self.started = True
+            return list(self.buckets)
 
 
 @dataclass
@@ -30,9 +56,9 @@ class Session:
     last_ping: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
-    # streaming: buckets are loaded in order on the apply thread; a bucket's credit goes back once it is
-    # loaded, so at most ``transport.depth`` are held here
-    loads: list[tuple[int, Future[LoadResult]]] = field(default_factory=list)
+    # streaming (or a delta loaded early): runs of ready buckets are loaded in order on the apply thread; a
+    # bucket's credit goes back once it is loaded, so at most ``transport.depth`` are held here
+    loads: list[tuple[LoadRun, Future[LoadResult]]] = field(default_factory=list)
     loaded: set[int] = field(default_factory=set)
     held: frozenset[str] = frozenset()  # receive segments the engine still maps (its last LoadResult)
     on_abort: Callable[[str], None] | None = None  # set while the update is open in the engine and not finishing

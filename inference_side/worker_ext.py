@@ -1,6 +1,6 @@
 """The vLLM ``worker_extension_cls``: mixed into every TP worker, called through ``collective_rpc``.
 
-An update is ``wb_begin`` -> ``wb_load`` per bucket (its shared-memory segment, mapped in place) ->
+An update is ``wb_begin`` -> ``wb_load`` per bucket or run of buckets (shared-memory segments, mapped in place) ->
 ``wb_finish`` (or ``wb_abort``), the lifecycle of inference_side/contract.py on this rank. Every call
 returns a ``RankReport`` and never raises, so all ranks answer and the engine decides.
 """
@@ -160,8 +160,10 @@ class WeightSyncWorker:
         return RankReport(self._wb_rank())
 
     @_exclusive
-    def wb_load(self, bucket: dict[str, Any]) -> RankReport:
-        """Load one bucket's tensors into the open reload; unmap every earlier bucket nothing holds."""
+    def wb_load(self, *buckets: dict[str, Any]) -> RankReport:
+        """Load the buckets' tensors into the open reload, one bucket after the other in the order given (the
+        receiver sends several in one call when several are ready: one RPC instead of one per bucket); then
+        unmap every bucket nothing holds."""
         from vllm.config import set_current_vllm_config
 
         session = self._wb_session
@@ -170,10 +172,9 @@ class WeightSyncWorker:
         mapped = self._wb_buckets()
         t0 = time.perf_counter()
         try:
-            tensors = mapped.map(bucket)
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                self._wb_load_tensors(session, tensors)
-            del tensors
+                for bucket in buckets:
+                    self._wb_load_tensors(session, mapped.map(bucket))
         except Exception as exc:  # noqa: BLE001 - any failure inside vLLM must come back as a reason
             return self._wb_failed(exc, "load")
         mapped.release_unviewed()

@@ -68,6 +68,8 @@ class FakeEngine(EngineGate):
 
     load: sleeps ``load_delay_s``, records per ``keep`` and compares with ``expected`` (see ``expect``);
     ``on_load(manifest, bucket)`` may return a ``LoadResult`` with an error, which fails the update.
+    load_many (the receiver's call): records the run's bucket indices in ``runs[version]``, then the contract's
+    default (``load`` each).
 
     finish: sleeps ``finish_delay_s``; ``on_finish(manifest)`` may return an ``ApplyResult`` that is the
     answer (nothing applied unless it is ok); otherwise a tensor whose bytes differ from ``expected`` (or
@@ -102,6 +104,7 @@ class FakeEngine(EngineGate):
         self.restore_delay_s = restore_delay_s  # between taking ``restore()``'s buckets and reading them (a slow load)
         self.restoring = False
         self.violations: list[str] = []
+        self.runs: dict[int, list[list[int]]] = {}  # per version, the bucket indices of each load_many
         self._open: _Update | None = None
         self._lock = threading.Lock()
 
@@ -149,6 +152,10 @@ class FakeEngine(EngineGate):
             if restore is not None and not self.restores:
                 self._violate(f"begin of version {manifest.version} with a restore, though this engine does not restore")
             self._open = _Update(manifest, restore=restore)
+
+    def load_many(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> LoadResult:
+        self.runs.setdefault(manifest.version, []).append([b.index for b in buckets])
+        return super().load_many(manifest, buckets)
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         update = self._current(manifest, f"load of bucket {bucket.index}")

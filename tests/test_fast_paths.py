@@ -358,3 +358,39 @@ def test_shm_plane_writes_the_update_after_a_failed_one_into_fresh_segments(star
         assert pub.publish(good, 4).ok
         assert first and after_failure and not first & after_failure
         assert names() == after_failure and gate.applied == [1, 3, 4]
+
+
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_ready_buckets_reach_the_engine_in_runs_each_once_in_index_order(start_receiver: Any, mode: str) -> None:
+    """The receiver hands its engine every bucket that is ready when the apply thread gets to it in one
+    ``load_many`` (one RPC to the TP workers behind ``InferenceServer``), at most ``LOAD_RUN_MAX`` at a time:
+    staged, the verified update in runs of ``LOAD_RUN_MAX``; streaming, the buckets that land while the engine
+    still loads bucket 0 (slowly here) go together after it. Every bucket exactly once, in index order, and the
+    engine holds the trainer's bytes."""
+    import time
+
+    from bridge.config import BridgeConfig
+    from inference_side.contract import LOAD_RUN_MAX
+    from trainer_side import WeightPublisher
+
+    def slow_first(manifest: wire.Manifest, bucket: Any) -> None:
+        if bucket.index == 0:
+            time.sleep(0.5)
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(64, 256, generator=gen).bfloat16() for i in range(20)}
+    config = BridgeConfig().replace(transport={"bucket_mb": 0.04, "depth": 16}, sync={"mode": mode})  # a tensor a bucket
+    engine = FakeEngine(keep="bytes", on_load=slow_first)
+    engine.expect(weights)
+    rx = start_receiver(config, engine)
+    with WeightPublisher([rx.endpoint], config=config) as publisher:
+        report = publisher.publish(weights, version=1)
+    assert report.ok and engine.applied == [1], report
+    runs = engine.runs[1]
+    assert [i for run in runs for i in run] == list(range(20)), runs
+    assert max(len(run) for run in runs) <= LOAD_RUN_MAX == 8, runs
+    if mode == "staged":
+        assert runs == [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))], runs
+    else:
+        # the 15 buckets in flight land while bucket 0 loads: the next runs take them, LOAD_RUN_MAX at a time
+        assert runs[:3] == [[0], list(range(1, 9)), list(range(9, 16))], runs
