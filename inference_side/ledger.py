@@ -124,11 +124,7 @@ class RecordingGate(EngineGate):
         self.gate.begin(manifest, restore)
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
-        t0 = time.perf_counter()
-        try:
-            return self.gate.load(manifest, bucket)
-        finally:
-            self._load_s += time.perf_counter() - t0
+        return self.load_many(manifest, [bucket])
 
     def load_many(self, manifest: wire.Manifest, buckets: list[StagedBucket]) -> LoadResult:
         t0 = time.perf_counter()
