@@ -295,19 +295,35 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
 def verdict(rows: list[dict[str, Any]]) -> list[str]:
     """The issue's goals: at 1% density the wire at most 5% of dense; on the 1 Gb/s link deltas at least 10x faster
-    than dense (at 1%); on loopback the delta sync at most 1.2x baseline B (350m, at 1%)."""
+    than dense (at 1%); on loopback the delta sync at most 1.2x baseline B (350m, at 1%). Each ratio is the row's
+    medians' (the verdict's figure), followed by each sync's against the same denominator (the spread within the
+    run); over 1 Gb/s also the bar as a multiple of B measured in the same row (dense / B / 10: where it is near 1,
+    the goal asks a delta sync as fast as vLLM's own reload of weights already in the worker)."""
     out = []
     for r in rows:
         if r["density"] != 0.01:
             continue
         name = f"{r['model']} {r['path']} 1%"
+        syncs = r.get("delta", {}).get("seconds_all") or []
         out.append(f"{name}: wire {r['wire_over_dense']:.2%} of dense (goal <= 5%): {'met' if r['wire_over_dense'] <= 0.05 else 'MISSED'}")
         if r["path"] == "1gbit":
-            out.append(f"{name}: dense / delta {r['dense_over_delta']:.1f}x (goal >= 10x): {'met' if r['dense_over_delta'] >= 10 else 'MISSED'}")
+            each = f"; per sync {_spread([r['dense']['seconds'] / s for s in syncs], '.1f')}x" if syncs else ""
+            out.append(f"{name}: dense / delta {r['dense_over_delta']:.1f}x (goal >= 10x{each}): "
+                       f"{'met' if r['dense_over_delta'] >= 10 else 'MISSED'}")
+            if "dense_over_b" in r:
+                out.append(f"{name}: the 10x bar is a delta sync of {r['dense']['seconds'] / 10:.3f} s, "
+                           f"{r['dense_over_b'] / 10:.2f}x baseline B in this row")
         if r["path"] == "loopback":
-            out.append(f"{name}: delta / B {r['delta_over_b']:.2f} (goal <= 1.2 at 350m): {'met' if r['delta_over_b'] <= 1.2 else 'MISSED'}")
+            b = r["delta"]["seconds"] / r["delta_over_b"] if syncs else 0.0  # the row's median B
+            each = f"; per sync {_spread([s / b for s in syncs], '.2f')}" if syncs else ""
+            out.append(f"{name}: delta / B {r['delta_over_b']:.2f} (goal <= 1.2 at 350m{each}): "
+                       f"{'met' if r['delta_over_b'] <= 1.2 else 'MISSED'}")
     return out
 
 

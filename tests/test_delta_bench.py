@@ -40,3 +40,15 @@ def test_verdict_checks_the_goals_at_one_percent() -> None:
     assert len(lines) == 4
     assert "delta / B 1.50 (goal <= 1.2 at 350m): MISSED" in lines[1]
     assert lines[3].endswith("dense / delta 12.0x (goal >= 10x): met")
+
+
+def test_verdict_gives_each_syncs_ratio_and_the_1gbit_bar_against_b() -> None:
+    rows = [{"model": "350m", "path": "loopback", "density": 0.01, "wire_over_dense": 0.006, "dense_over_delta": 2.0,
+             "delta_over_b": 1.1, "delta": {"seconds": 0.66, "seconds_all": [0.60, 0.66, 0.78]}, "dense": {"seconds": 1.3}},
+            {"model": "350m", "path": "1gbit", "density": 0.01, "wire_over_dense": 0.006, "dense_over_delta": 9.5,
+             "delta_over_b": 1.1, "dense_over_b": 10.5, "delta": {"seconds": 0.64, "seconds_all": [0.60, 0.64, 0.75]},
+             "dense": {"seconds": 6.0}}]
+    lines = verdict(rows)
+    assert lines[1] == "350m loopback 1%: delta / B 1.10 (goal <= 1.2 at 350m; per sync 1.00-1.30): met"
+    assert lines[3] == "350m 1gbit 1%: dense / delta 9.5x (goal >= 10x; per sync 8.0-10.0x): MISSED"
+    assert lines[4] == "350m 1gbit 1%: the 10x bar is a delta sync of 0.600 s, 1.05x baseline B in this row"
