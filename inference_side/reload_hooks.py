@@ -216,11 +216,94 @@ class EmbeddingGemm:
         original(method, layer)
 
 
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(_plain(v) for v in value))
+
+
+def loader_call_key(tensor_name: str, weight_loader: Any, arguments: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What decides a weight loader call's outcome when vLLM's layerwise reload runs it on meta tensors to count
+    the elements it writes: the checkpoint tensor being loaded, the loader (its function, and the module it is
+    bound to), each argument's shape, dtype and strides for a tensor (a meta tensor has no values) or its value
+    when plain (str, int, float, bool, None, tuples of them). ``None`` when an argument is anything else: such a
+    call is always counted. Pure."""
+    import torch
+
+    owner = getattr(weight_loader, "__self__", None)
+    function = getattr(weight_loader, "__func__", weight_loader)
+    parts: list[Any] = [tensor_name, id(owner), id(function)]
+    for name, value in arguments.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype, value.stride(), type(value).__name__))
+        elif _plain(value):
+            parts.append((name, value))
+        else:
+            return None
+    return tuple(parts)
+
+
+class LoaderCounts:
+    """vLLM's layerwise reload runs every weight loader call twice: once on meta tensors, to count the elements it
+    will write (``get_numel_loaded``: how it knows when a layer is complete), then for real once the layer is.
+    During the bridge's updates (``active``) the first run's answer (the count and the loader's return value) is
+    kept per call (``loader_call_key``) for one model, and once two updates' runs agreed on it, later updates use
+    it instead of running the loader on meta tensors again: 7% of the worker's load of a 350m update on the
+    2-core test VM, vLLM's Python around 243 loader calls. The real run is untouched.
+
+    Contract: a call whose key matches gets the answer the meta run gave twice before for the same checkpoint
+    tensor, loader (function and bound module) and argument shapes and values; a meta run reads no tensor
+    values, so it would give it again. A loader that returns anything but a plain value, an argument that is
+    not plain, or a call made outside the bridge's updates is counted by vLLM as before. The kept answers belong
+    to one model (``start`` with another model forgets them): module ids are stable while it lives."""
+
+    AGREE = 2  # meta runs that must agree before an answer is reused
+
+    def __init__(self) -> None:
+        self.active = False
+        self._model: Any = None  # a weak reference to the model the answers belong to
+        self.known: dict[tuple[Any, ...], tuple[int, Any, int]] = {}  # key -> (numel, return value, agreeing runs)
+        self.reused = 0  # meta runs the update in progress (or the last one) skipped
+
+    def start(self, model: Any) -> None:
+        import weakref
+
+        if self._model is None or self._model() is not model:
+            self.known.clear()
+            self._model = weakref.ref(model)
+        self.reused = 0
+        self.active = True
+
+    def forget(self) -> None:
+        """After a failed or aborted update: inactive, and nothing learned so far is reused."""
+        self.active = False
+        self.known.clear()
+
+    def count(self, original: Any, weight_loader: Any, args: Any, tensor_name: str | None) -> tuple[int, Any]:
+        """``get_numel_loaded(weight_loader, args)``, from what earlier updates learned where it may."""
+        key = loader_call_key(tensor_name, weight_loader, {k: v for k, v in args.arguments.items() if k != "param"}) \
+            if self.active and tensor_name is not None else None
+        param = args.arguments.get("param")
+        if key is not None and param is not None:
+            key = (*key, ("param", tuple(param.shape), param.dtype, type(param).__name__))
+        seen = self.known.get(key) if key is not None else None
+        if seen is not None and seen[2] >= self.AGREE:
+            self.reused += 1
+            return seen[0], seen[1]
+        numel, ret = original(weight_loader, args)
+        if key is not None and _plain(ret):
+            agreeing = seen[2] + 1 if seen is not None and (seen[0], seen[1]) == (numel, ret) else 1
+            self.known[key] = (int(numel), ret, agreeing)
+        return numel, ret
+
+
 _LOCK = threading.Lock()
 _INSTALLED = False
 RECORDER = LoadRecorder()
 SCRATCH = ScratchPool()
 EMBEDDING_GEMM = EmbeddingGemm()
+COUNTS = LoaderCounts()
 
 
 def install() -> None:
@@ -235,7 +318,7 @@ def install() -> None:
         original_copy = layerwise._copy_and_restore_kernel_tensors
 
         def get_numel_loaded(weight_loader: Any, args: Any) -> tuple[int, object]:
-            numel, ret = original_numel(weight_loader, args)
+            numel, ret = COUNTS.count(original_numel, weight_loader, args, RECORDER.current if RECORDER.active else None)
             if RECORDER.active and RECORDER.current is not None:
                 param = args.arguments.get("param")
                 RECORDER.writes.setdefault(RECORDER.current, []).append((id(param), int(numel)))

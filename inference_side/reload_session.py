@@ -95,6 +95,7 @@ class ReloadSession:
         rec.active = True
         reload_hooks.SCRATCH.start(self.in_place)
         reload_hooks.EMBEDDING_GEMM.start(self.model)
+        reload_hooks.COUNTS.start(self.model)
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
         self._begun = True
@@ -218,6 +219,7 @@ class ReloadSession:
             reload_hooks.RECORDER.active = False
             reload_hooks.SCRATCH.active = False
             reload_hooks.EMBEDDING_GEMM.active = False
+            reload_hooks.COUNTS.active = False
             self.timings["finalize"] += time.perf_counter() - t0
             t1 = time.perf_counter()
             refreshed = refresh_backend_aliases(self.model, self.state.sinks)
@@ -234,6 +236,7 @@ class ReloadSession:
         )
         if problems or moved:
             reload_hooks.SCRATCH.drop()
+            reload_hooks.COUNTS.forget()  # nothing a failed update counted is reused
         if problems:
             raise AuditError("stale after update: " + "; ".join(problems), problems)
         if moved:
@@ -249,6 +252,7 @@ class ReloadSession:
         reload_hooks.SCRATCH.active = False
         reload_hooks.EMBEDDING_GEMM.active = False
         reload_hooks.SCRATCH.drop()
+        reload_hooks.COUNTS.forget()
         if self._begun and not self._finalized:
             import torch
 

@@ -323,12 +323,15 @@ class WeightSyncWorker:
         scratch tensors, ``reload_hooks.ScratchPool``) and what the last update's reload materialized its
         tensors in, in bytes: views of the served tensors (``reload_in_place_bytes``), kept scratch
         (``reload_pooled_bytes``), fresh memory (``reload_fresh_bytes``); and how many input embeddings the last
-        update gave no CPU matmul handle (``reload_embedding_handles_skipped``, ``reload_hooks.EmbeddingGemm``)."""
+        update gave no CPU matmul handle (``reload_embedding_handles_skipped``, ``reload_hooks.EmbeddingGemm``) and
+        how many of its loader calls were not run on meta tensors to count (``reload_counts_reused``,
+        ``reload_hooks.LoaderCounts``)."""
         from inference_side import reload_hooks
 
         scratch = reload_hooks.SCRATCH
         return {"reload_scratch_bytes": scratch.nbytes, **{f"reload_{k}_bytes": v for k, v in scratch.materialized.items()},
-                "reload_embedding_handles_skipped": reload_hooks.EMBEDDING_GEMM.skipped}
+                "reload_embedding_handles_skipped": reload_hooks.EMBEDDING_GEMM.skipped,
+                "reload_counts_reused": reload_hooks.COUNTS.reused}
 
     def wb_bypass(self) -> list[str]:
         return sorted(self._wb_state.bypass) if self._wb_state else []

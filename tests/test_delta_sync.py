@@ -102,7 +102,11 @@ def test_delta_syncs_in_a_row_equal_cold_load(engine: Any, tmp_path: Any) -> Non
     assert ray.get(actor.version.remote()) == version
     # the input embedding (untied: Qwen2 has its own LM head) got no CPU matmul handle in the last update
     # (reload_hooks.EmbeddingGemm); the engine still equals a cold-loaded one, which has that handle
-    assert ray.get(actor.collective_rpc.remote("wb_memory"))[0]["reload_embedding_handles_skipped"] == 1
+    memory = ray.get(actor.collective_rpc.remote("wb_memory"))[0]
+    assert memory["reload_embedding_handles_skipped"] == 1
+    # and counted no loader call on meta tensors: each tensor's count was learned from earlier updates
+    # (reload_hooks.LoaderCounts), one loader call per tensor of this Qwen2
+    assert memory["reload_counts_reused"] == len(list(model.named_parameters())), memory
     last = save_checkpoint(model, tmp_path / f"v{version}")
     (cold,) = oracle([last], 1, "bfloat16")
     assert_same_outputs(generate(actor), cold)
@@ -331,5 +335,9 @@ def test_gpt_oss_tp2_takes_deltas(gpt_oss_tp2: Any, tmp_path: Any) -> None:
             deltas += step > 0
             gpt_oss_read_back_equal(actor, model)
     assert deltas == GPT_OSS_DELTAS and ray.get(actor.version.remote()) == version
+    # both ranks reused the loader counts learned from earlier updates (reload_hooks.LoaderCounts), the fused
+    # experts' loaders included, and still equal a cold load
+    assert all(m["reload_counts_reused"] > 0 for m in ray.get(actor.collective_rpc.remote("wb_memory"))), \
+        ray.get(actor.collective_rpc.remote("wb_memory"))
     (cold,) = oracle([save_checkpoint(model, tmp_path / f"v{version}")], 2, "bfloat16")
     assert_same_outputs(generate(actor), cold)
