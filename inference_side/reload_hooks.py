@@ -282,11 +282,7 @@ class LoaderCounts:
 
     def count(self, original: Any, weight_loader: Any, args: Any, tensor_name: str | None) -> tuple[int, Any]:
         """``get_numel_loaded(weight_loader, args)``, from what earlier updates learned where it may."""
-        key = loader_call_key(tensor_name, weight_loader, {k: v for k, v in args.arguments.items() if k != "param"}) \
-            if self.active and tensor_name is not None else None
-        param = args.arguments.get("param")
-        if key is not None and param is not None:
-            key = (*key, ("param", tuple(param.shape), param.dtype, type(param).__name__))
+        key = loader_call_key(tensor_name, weight_loader, args.arguments) if self.active and tensor_name is not None else None
         seen = self.known.get(key) if key is not None else None
         if seen is not None and seen[2] >= self.AGREE:
             self.reused += 1
