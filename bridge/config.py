@@ -180,8 +180,17 @@ class ServeConfig:
     # allocates nothing for it (inference_side/reload_hooks.py, ScratchPool.materialize_layer); false
     # materializes every tensor afresh as vLLM's own reload does
     reload_in_place: bool = True
+    # threads that process the reload's layers (each layer's loaders, vLLM's processing after loading, on CPU its
+    # oneDNN repacking) while the worker's RPC thread goes on with the next tensors, bound to the worker's cores
+    # and those no TP worker is bound to (idle while an update runs: generation waits for it); "auto": one per
+    # such core when the worker runs one torch thread on CPU (so ops do not already span several cores), else 1;
+    # 1 processes each layer inline, as vLLM does (inference_side/reload_hooks.py, LayerThreads)
+    reload_threads: int | str = "auto"
 
     def __post_init__(self) -> None:
+        threads = self.reload_threads
+        if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f'serve.reload_threads must be "auto" or an integer >= 1, got {threads!r}')
         for key in ("worker_idle_spin_s", "engine_core_spin_s"):
             spin = getattr(self, key)
             if key == "engine_core_spin_s" and spin == "auto":
@@ -200,9 +209,12 @@ class BridgeConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
 
-    def worker_options(self) -> dict[str, bool]:
-        """The options every TP worker's ``wb_begin`` takes: the router's and ``serve.reload_in_place``."""
-        return {**self.router.worker_options(), "in_place": self.serve.reload_in_place}
+    def worker_options(self) -> dict[str, Any]:
+        """The options every TP worker's ``wb_begin`` takes: the router's, ``serve.reload_in_place`` and
+        ``serve.reload_threads`` (the caller adds ``spare_cores``, the cores no TP worker is bound to, where it
+        knows them)."""
+        return {**self.router.worker_options(), "in_place": self.serve.reload_in_place,
+                "reload_threads": self.serve.reload_threads}
 
     def replace(self, **sections: Any) -> BridgeConfig:
         """Return a copy with sections replaced; values may be dataclasses or dicts of overrides."""

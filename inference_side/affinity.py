@@ -33,6 +33,26 @@ def spare_cores(available: set[int], workers: list[set[int]]) -> set[int]:
     return available - set().union(*workers)
 
 
+AUTO_LAYER_THREADS_MAX = 8  # "auto" never starts more layer threads than this
+
+
+def layer_threads(setting: int | str, own: set[int] | frozenset[int], spare: set[int] | frozenset[int],
+                  torch_threads: int, on_cpu: bool) -> tuple[int, frozenset[int]]:
+    """How many threads process a worker's reloaded layers (``serve.reload_threads``,
+    ``reload_hooks.LayerThreads``) and the cores they may run on: the worker's own binding ``own`` and the
+    ``spare`` cores no TP worker is bound to (vLLM leaves them to its front end and engine core, which wait
+    while an update runs). ``"auto"``: one thread per such core, at most ``AUTO_LAYER_THREADS_MAX``, when the
+    worker runs on CPU with one torch thread (its ops then use one core; with more, each op already spans them),
+    else 1. An integer: that many, but never more than the cores. 1 (or no core to add): inline, as vLLM
+    processes layers (cores empty). Pure."""
+    cores = frozenset(own) | frozenset(spare)
+    if setting == "auto":
+        wanted = min(len(cores), AUTO_LAYER_THREADS_MAX) if on_cpu and torch_threads == 1 else 1
+    else:
+        wanted = min(int(setting), len(cores))
+    return (wanted, cores) if wanted > 1 else (1, frozenset())
+
+
 def receiver_cores(allowed: set[int], worker: set[int], off_workers: bool) -> set[int]:
     """The cores for a receiver that lives inside a TP worker's process (vLLM's weight-transfer backend).
 

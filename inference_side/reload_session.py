@@ -52,11 +52,15 @@ class WorkerRouterState:
     sinks: dict[str, SinkBinding] = field(default_factory=dict)  # by vLLM param path
     bypass: set[str] = field(default_factory=set)  # checkpoint names the model writes behind its loaders
     module_names: set[str] = field(default_factory=set)
+    cores: frozenset[int] = frozenset()  # the cores vLLM bound the worker to (read at set-up, on its own thread)
+    torch_threads: int = 1  # torch's intra-op threads in the worker
+    on_cpu: bool = True  # the model's weights are on the CPU
 
 
 class ReloadSession:
     def __init__(self, model: Any, model_config: Any, state: WorkerRouterState, names: list[str],
-                 router: bool = True, audit: bool = True, identity: bool = True, in_place: bool = True) -> None:
+                 router: bool = True, audit: bool = True, identity: bool = True, in_place: bool = True,
+                 layer_threads: int = 1, layer_cores: set[int] | frozenset[int] = frozenset()) -> None:
         self.model = model
         self.model_config = model_config
         self.state = state
@@ -65,6 +69,8 @@ class ReloadSession:
         self.audit = audit
         self.identity = identity
         self.in_place = in_place  # loaders write into views of the served tensors (reload_hooks.ScratchPool)
+        # layers processed on this many threads bound to these cores (reload_hooks.LayerThreads; 1: inline)
+        self.layer_threads, self.layer_cores = layer_threads, frozenset(layer_cores)
         self.timings: dict[str, float] = defaultdict(float)
         self.routed_sinks: dict[str, Any] = {}  # vLLM param path -> expected local shard
         self.skipped: list[str] = []
@@ -96,6 +102,7 @@ class ReloadSession:
         reload_hooks.SCRATCH.start(self.in_place)
         reload_hooks.EMBEDDING_GEMM.start(self.model)
         reload_hooks.COUNTS.start(self.model)
+        reload_hooks.LAYERS.start(self.layer_threads, self.layer_cores)
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
         self._begun = True
@@ -109,6 +116,14 @@ class ReloadSession:
         self.timings["begin"] += time.perf_counter() - t0
 
     def load(self, name: str, tensor: Any) -> None:
+        """Load one tensor; every layer it completed is processed when this returns."""
+        self._load_one(name, tensor)
+        self._layers_done()
+
+    def _layers_done(self) -> None:
+        reload_hooks.LAYERS.check()
+
+    def _load_one(self, name: str, tensor: Any) -> None:
         import torch
 
         t0 = time.perf_counter()
@@ -156,10 +171,11 @@ class ReloadSession:
             if special:
                 self._load_run(run)
                 run = []
-                self.load(name, tensor)
+                self._load_one(name, tensor)
             else:
                 run.append((name, tensor))
         self._load_run(run)
+        self._layers_done()
 
     def _load_run(self, run: list[tuple[str, Any]]) -> None:
         """One ``load_weights`` call for ``run``. The iterator checks, before handing out tensor i+1, that
@@ -170,7 +186,7 @@ class ReloadSession:
 
         if len(run) <= 1 or not self._runs_ok:
             for name, tensor in run:
-                self.load(name, tensor)
+                self._load_one(name, tensor)
             return
         t0 = time.perf_counter()
         rec = reload_hooks.RECORDER
@@ -205,7 +221,7 @@ class ReloadSession:
                 self._captured().done(name)
         self.timings["load"] += time.perf_counter() - t0
         for name, tensor in run[len(written):]:
-            self.load(name, tensor)
+            self._load_one(name, tensor)
 
     def finish(self) -> RankReport:
         import torch
@@ -214,6 +230,8 @@ class ReloadSession:
         t0 = time.perf_counter()
         with torch.no_grad():
             self._captured().flush_all()
+            reload_hooks.LAYERS.wait()
+            reload_hooks.LAYERS.active = False  # finalize processes what is left inline
             finalize_layerwise_reload(self.model, self.model_config)
             self._finalized = True
             reload_hooks.RECORDER.active = False
@@ -248,6 +266,7 @@ class ReloadSession:
         """Put kernel tensors back after a failure mid-load (the model never stays on meta)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        reload_hooks.LAYERS.stop()  # layers still being processed end first
         reload_hooks.RECORDER.active = False
         reload_hooks.SCRATCH.active = False
         reload_hooks.EMBEDDING_GEMM.active = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -130,6 +131,10 @@ class InferenceServer(EngineGate):
                              recheck=self.config.serve.worker_idle_spin_s is not None)
         self._session = False  # vLLM's weight-update session is open (start_weight_update .. finish_weight_update)
         self.setup = self.llm.collective_rpc("wb_setup")
+        from inference_side.affinity import spare_cores
+
+        # the cores no TP worker is bound to: the workers' layer threads may use them during an update
+        self._spare = sorted(spare_cores(set(os.sched_getaffinity(0)), [set(r["cpus"]) for r in self.setup]))
         if self.config.serve.worker_idle_spin_s is not None:
             self.llm.collective_rpc("wb_idle_spin", args=(self.config.serve.worker_idle_spin_s,))
         if self.config.serve.pin_off_workers:  # status()["cores"] shows where the threads ended up
@@ -341,7 +346,7 @@ class InferenceServer(EngineGate):
                                   f"served version {self._version} (applied meanwhile by another update)")
                 return
             update.begun = True
-            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self.config.worker_options()))
+            self._ranks(update, self._rpc("wb_begin", [s.name for s in manifest.tensors], self._worker_options()))
 
     def load(self, manifest: wire.Manifest, bucket: StagedBucket) -> LoadResult:
         return self.load_many(manifest, [bucket])
@@ -558,12 +563,16 @@ class InferenceServer(EngineGate):
             self._update = None
             self._engine.notify_all()
 
+    def _worker_options(self) -> dict[str, Any]:
+        """What every TP worker's ``wb_begin`` takes: the config's options and the cores no worker is bound to."""
+        return {**self.config.worker_options(), "spare_cores": self._spare}
+
     def _restore(self, update: _Update) -> bool:
         """Reload, on every rank, the served version: the buckets ``update.restore`` gives (every tensor), else
         the host copy of each tensor the failed update may have overwritten."""
         from inference_side.host_copy import reload_buckets, restore
 
-        options = self.config.worker_options()
+        options = self._worker_options()
         try:
             if update.restore is not None:
                 buckets = update.restore()

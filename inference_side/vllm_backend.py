@@ -58,7 +58,7 @@ from bridge.errors import BridgeError, ConfigError, UpdateFailed
 from bridge.report import ApplyResult, FailureKind, LoadResult, RankReport, first_failure, parse_kind
 from bridge.transports import available as available_transports
 from bridge.vllm_plugin import BACKEND
-from inference_side.affinity import receiver_cores, threads_started_on
+from inference_side.affinity import receiver_cores, spare_cores, threads_started_on
 from inference_side.contract import EngineGate, Restore, StagedBucket
 from inference_side.ledger import Ledger, RecordingGate
 from inference_side.lora import ServedAdapter, bucket_tensors, validate_adapter, write_marker, write_peft_dir
@@ -191,6 +191,7 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.version = 0  # served over the bridge (0: the checkpoint vLLM loaded)
         self.receiver: SyncReceiver | None = None
         self.worker_cores: set[int] = set()  # the cores vLLM bound this worker's RPC thread to
+        self.spare_cores: set[int] = set()  # the engine's cores no TP worker is bound to (known at TP 1 only)
         self._calls: queue.Queue[_Call] = queue.Queue()
         self.last_failure: tuple[FailureKind, str] | None = None  # why the last update was not applied
         self._wait_s = 60.0
@@ -230,7 +231,10 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
         self.receiver = SyncReceiver(gate, cfg, on_event=self._on_event, port=port, status=self.status_report)
         # off this worker's binding: the receiver's threads (and ZMQ's I/O thread) are started from here
         self.worker_cores = os.sched_getaffinity(0)
-        cores = receiver_cores(os.sched_getaffinity(os.getppid()), self.worker_cores, cfg.serve.pin_off_workers)
+        allowed = os.sched_getaffinity(os.getppid())
+        # at TP 1 this worker is the only one; at TP > 1 the other ranks' bindings are not known here
+        self.spare_cores = spare_cores(allowed, [self.worker_cores]) if self.tp_size == 1 else set()
+        cores = receiver_cores(allowed, self.worker_cores, cfg.serve.pin_off_workers)
         with threads_started_on(cores):
             endpoint = self.receiver.start()
         self.ledger.engine = engine_name(endpoint, self.tp_rank, init_info.base_port)
@@ -535,10 +539,12 @@ class WeightBridgeEngine(WeightTransferEngine[WeightBridgeInitInfo, WeightBridge
             return reason + f" (restoring {source} failed on TP rank {self.tp_rank}: {failed[1]})"
         return reason + f" (rolled back from {source}: TP rank {self.tp_rank} serves version {self.version})"
 
-    def _worker_options(self) -> dict[str, bool]:
-        """What every TP worker's ``wb_begin`` takes (``BridgeConfig.worker_options``: the router's and
-        ``serve.reload_in_place``); none without a receiver."""
-        return self.receiver.config.worker_options() if self.receiver is not None else {}
+    def _worker_options(self) -> dict[str, Any]:
+        """What every TP worker's ``wb_begin`` takes (``BridgeConfig.worker_options``, and the cores no worker is
+        bound to); none without a receiver."""
+        if self.receiver is None:
+            return {}
+        return {**self.receiver.config.worker_options(), "spare_cores": sorted(self.spare_cores)}
 
     def _note(self, report: RankReport) -> None:
         failed = first_failure([report])

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from bridge.errors import AuditError, BridgeError, IdentityError
 from bridge.report import FailureKind, RankReport
+from inference_side.affinity import layer_threads
 from inference_side.mapped_buckets import MappedBuckets, torch_dtype
 from inference_side.reload_session import ReloadSession, SinkBinding, WorkerRouterState
 from inference_side.router import (
@@ -64,7 +65,10 @@ class WeightSyncWorker:
 
         model = self._wb_model()
         rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        state = WorkerRouterState(tp_rank=rank, tp_size=size)
+        first = next(model.parameters(), None)
+        state = WorkerRouterState(tp_rank=rank, tp_size=size, cores=frozenset(os.sched_getaffinity(0)),
+                                  torch_threads=torch.get_num_threads(),
+                                  on_cpu=first is None or first.device.type == "cpu")
         state.module_names = {name for name, _ in model.named_modules()}
         table = read_tensor_table(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         params = dict(model.named_parameters())
@@ -99,7 +103,7 @@ class WeightSyncWorker:
         if engine is not None and hasattr(engine, "adopt"):
             engine.adopt(self)
         return {"rank": rank, "tp_size": size, "sinks": sorted(state.sinks), "unrouted_sinks": sorted(unrouted),
-                "pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0))}
+                "pid": os.getpid(), "cpus": sorted(state.cores)}
 
     def _wb_probe_sink(self, model: Any, ckpt_name: str, path: str, entry: Any) -> list[int | None] | None:
         """Which global head the model's own load code writes into each slot of this sink (None if unknown)."""
@@ -143,12 +147,16 @@ class WeightSyncWorker:
         assert self._wb_state is not None
         self.wb_abort()
         self._wb_buckets().prune()
+        state = self._wb_state
+        threads, cores = layer_threads(options.get("reload_threads", 1), state.cores, set(options.get("spare_cores", ())),
+                                       state.torch_threads, state.on_cpu)
         session = ReloadSession(
             self._wb_model(), self.vllm_config.model_config, self._wb_state, names,  # type: ignore[attr-defined]
             router=bool(options.get("router", True)),
             audit=bool(options.get("audit", True)),
             identity=bool(options.get("identity", True)),
             in_place=bool(options.get("in_place", True)),
+            layer_threads=threads, layer_cores=cores,
         )
         try:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
@@ -325,13 +333,15 @@ class WeightSyncWorker:
         (``reload_pooled_bytes``), fresh memory (``reload_fresh_bytes``); and how many input embeddings the last
         update gave no CPU matmul handle (``reload_embedding_handles_skipped``, ``reload_hooks.EmbeddingGemm``) and
         how many of its loader calls were not run on meta tensors to count (``reload_counts_reused``,
-        ``reload_hooks.LoaderCounts``)."""
+        ``reload_hooks.LoaderCounts``), how many threads processed its layers and how many layers they took
+        (``reload_layer_threads``, ``reload_layers_threaded``: ``reload_hooks.LayerThreads``)."""
         from inference_side import reload_hooks
 
         scratch = reload_hooks.SCRATCH
         return {"reload_scratch_bytes": scratch.nbytes, **{f"reload_{k}_bytes": v for k, v in scratch.materialized.items()},
                 "reload_embedding_handles_skipped": reload_hooks.EMBEDDING_GEMM.skipped,
-                "reload_counts_reused": reload_hooks.COUNTS.reused}
+                "reload_counts_reused": reload_hooks.COUNTS.reused,
+                "reload_layer_threads": reload_hooks.LAYERS.threads, "reload_layers_threaded": reload_hooks.LAYERS.handed}
 
     def wb_bypass(self) -> list[str]:
         return sorted(self._wb_state.bypass) if self._wb_state else []

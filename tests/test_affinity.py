@@ -8,7 +8,13 @@ import threading
 
 import pytest
 
-from inference_side.affinity import receiver_cores, spare_cores, threads_started_on
+from inference_side.affinity import (
+    AUTO_LAYER_THREADS_MAX,
+    layer_threads,
+    receiver_cores,
+    spare_cores,
+    threads_started_on,
+)
 
 
 @pytest.mark.parametrize(("available", "workers", "spare"), [
@@ -35,6 +41,23 @@ def test_spare_cores(available: set[int], workers: list[set[int]], spare: set[in
 ])
 def test_receiver_cores(allowed: set[int], worker: set[int], off_workers: bool, cores: set[int]) -> None:
     assert receiver_cores(allowed, worker, off_workers) == cores
+
+
+@pytest.mark.parametrize(("setting", "own", "spare", "torch_threads", "on_cpu", "threads", "cores"), [
+    ("auto", {0}, {1}, 1, True, 2, {0, 1}),            # this machine at TP 1: the worker's core and the spare one
+    ("auto", {0}, set(), 1, True, 1, set()),           # TP 2 on 2 cores: nothing to add, inline
+    ("auto", {0}, {1}, 1, False, 1, set()),            # on a GPU: inline, as vLLM does
+    ("auto", {0, 1, 2, 3}, {4}, 4, True, 1, set()),    # the worker's ops already span its cores
+    ("auto", {0}, {2, 3}, 1, True, 3, {0, 2, 3}),      # TP 2 on 4 cores: both workers share the spare cores
+    ("auto", {0}, set(range(1, 16)), 1, True, AUTO_LAYER_THREADS_MAX, set(range(16))),
+    (1, {0}, {1}, 1, True, 1, set()),                  # told inline
+    (2, {0}, set(), 1, True, 1, set()),                # never more threads than cores
+    (3, {0, 1, 2, 3}, set(), 4, True, 3, {0, 1, 2, 3}),  # told: as many as asked, on the worker's cores
+    (4, {0}, {1}, 1, False, 2, {0, 1}),                # told, on a GPU too
+])
+def test_layer_threads(setting: int | str, own: set[int], spare: set[int], torch_threads: int, on_cpu: bool,
+                       threads: int, cores: set[int]) -> None:
+    assert layer_threads(setting, own, spare, torch_threads, on_cpu) == (threads, frozenset(cores))
 
 
 def test_threads_started_on_binds_new_threads_and_restores_this_one() -> None:

@@ -102,7 +102,16 @@ BAD: list[tuple[str, Any, str]] = [
     ("core-spin-word", {"serve": {"engine_core_spin_s": "fast"}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got 'fast'"),
     ("core-spin-inf", {"serve": {"engine_core_spin_s": float("inf")}}, "serve.engine_core_spin_s must be null, \"auto\" or seconds >= 0, got inf"),
     ("delta-compress-word", {"sync": {"delta_compress": "zstd"}}, "sync.delta_compress"),
+    ("reload-threads-zero", {"serve": {"reload_threads": 0}}, 'serve.reload_threads must be "auto" or an integer >= 1, got 0'),
+    ("reload-threads-word", {"serve": {"reload_threads": "many"}}, 'serve.reload_threads must be "auto" or an integer >= 1, got \'many\''),
+    ("reload-threads-bool", {"serve": {"reload_threads": True}}, 'serve.reload_threads must be "auto" or an integer >= 1, got True'),
 ]
+
+
+@pytest.mark.parametrize("threads", ["auto", 1, 4])
+def test_serve_reload_threads_reaches_every_workers_options(threads: Any) -> None:
+    cfg = config_from_dict({"serve": {"reload_threads": threads}})
+    assert cfg.worker_options()["reload_threads"] == threads
 
 
 @pytest.mark.parametrize(("setting", "all_on_this_host", "compresses"), [
