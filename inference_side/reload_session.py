@@ -116,11 +116,9 @@ class ReloadSession:
         self.timings["begin"] += time.perf_counter() - t0
 
     def load(self, name: str, tensor: Any) -> None:
-        """Load one tensor; every layer it completed is processed when this returns."""
+        """Load one tensor. A layer it completed may still be processing on the layer threads when this returns
+        (``finish`` waits for them); one that failed already is raised here."""
         self._load_one(name, tensor)
-        self._layers_done()
-
-    def _layers_done(self) -> None:
         reload_hooks.LAYERS.check()
 
     def _load_one(self, name: str, tensor: Any) -> None:
@@ -175,7 +173,7 @@ class ReloadSession:
             else:
                 run.append((name, tensor))
         self._load_run(run)
-        self._layers_done()
+        reload_hooks.LAYERS.check()
 
     def _load_run(self, run: list[tuple[str, Any]]) -> None:
         """One ``load_weights`` call for ``run``. The iterator checks, before handing out tensor i+1, that
@@ -230,7 +228,7 @@ class ReloadSession:
         t0 = time.perf_counter()
         with torch.no_grad():
             self._captured().flush_all()
-            reload_hooks.LAYERS.wait()
+            reload_hooks.LAYERS.wait()  # the layers still processing on threads: their time counts as finalize
             reload_hooks.LAYERS.active = False  # finalize processes what is left inline
             finalize_layerwise_reload(self.model, self.model_config)
             self._finalized = True
