@@ -309,7 +309,7 @@ class LayerThreads:
     its ``process_weights_after_loading`` (on CPU the oneDNN repacking of a linear layer, which releases the GIL),
     the copy back) runs on a pool of ``threads`` threads bound to ``cores``, while the worker's own thread goes
     on with the next tensors' loaders, across loads: on the 2-core test VM a 350m update's chain of loads took
-    0.25 s on two threads against 0.43 s inline (docs/benchmarks.md).
+    0.27 s on two threads against 0.43 s inline (docs/benchmarks.md).
 
     Contract: a layer is handed over only once its loaders counted every element (vLLM's own trigger), so no
     later call of this update touches it; each layer's processing reads and writes that layer alone (its
